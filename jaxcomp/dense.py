@@ -1,0 +1,101 @@
+"""The uncompressed baselines: the dense mean in f32 (S-SGD) and in 16 bits.
+
+``cast`` is the same dense all-reduce as ``allreduce`` with a narrower value on
+the wire, so both are built by one factory here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import base
+from jaxcomp import collectives
+from jaxcomp import fusion
+
+
+def _dense_mean(axis_name: base.AxisName, wire_dtype) -> base.Compressor:
+  axes = base.check_axis_name(axis_name)
+
+  def init_fn(params: optax.Params) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    bucket = fusion.Bucket.of(updates)
+    mean = collectives.mean(bucket.flatten(updates), axes, wire_dtype=wire_dtype)
+    return bucket.unflatten(mean, like=updates), state
+
+  def wire_bytes(params, num_devices):
+    sizes = base.normalize_axis_sizes(axes, num_devices)
+    return collectives.mean_bytes(fusion.Bucket.of(params).size, sizes, wire_dtype=wire_dtype)
+
+  return base.Compressor(init_fn, update_fn, wire_bytes)
+
+
+def allreduce(axis_name: base.AxisName) -> base.Compressor:
+  """The dense mean of the gradients over the device axis: synchronous SGD.
+
+  Every leaf is fused into one f32 buffer and averaged with one all-reduce (a
+  ring ``psum``), or with the 2D-torus all-reduce when ``axis_name`` is a pair
+  ``(row_axis, col_axis)``. This is the baseline every compressor is compared
+  with.
+
+  Args:
+    axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
+
+  Returns:
+    A :class:`jaxcomp.base.Compressor` (an ``optax.GradientTransformation``)
+    whose ``update`` returns the mean gradient, identical on every device, in
+    the dtype of ``updates``. Its state is empty.
+
+  Wire: ring all-reduce, ``2 (P - 1) / P * 4 n`` bytes per device for ``n``
+  gradient elements; on an ``R x C`` torus, ``(R - 1) / R * 4 n`` twice (the
+  reduce-scatter and the all-gather) plus ``2 (C - 1) / C * 4 n / R``.
+
+  Example::
+
+    tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1, momentum=0.9))
+  """
+  return _dense_mean(axis_name, None)
+
+
+def cast(dtype: Any, axis_name: base.AxisName) -> base.Compressor:
+  """The dense mean with 16-bit values on the wire (fp16 or bf16).
+
+  The f32 gradient buffer is rounded to ``dtype`` and averaged as a
+  reduce-scatter (an all-to-all of the bit-cast 16-bit chunks, summed locally
+  in f32), then an all-gather of the bit-cast 16-bit mean. Sending the bits as
+  unsigned integers keeps the payload 16-bit on every backend: XLA's CPU
+  backend widens a bf16 all-reduce to f32, which would send as much as dense.
+  fp16 overflows above 65504: such a step returns ``inf`` and is skipped by
+  ``optax.apply_if_finite`` like any non-finite step.
+
+  Args:
+    dtype: the wire dtype, ``jnp.float16`` or ``jnp.bfloat16`` (``jnp.float32``
+      is accepted and is the same as :func:`allreduce`).
+    axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
+
+  Returns:
+    A :class:`jaxcomp.base.Compressor` with an empty state.
+
+  Wire: ``2 (P - 1) / P * 2 n`` bytes per device (``n`` padded to a multiple
+  of P): ``(P - 1) / P * 2 n`` in the all-to-all and as much in the all-gather.
+
+  Example::
+
+    tx = optax.chain(jaxcomp.cast(jnp.bfloat16, "data"), optax.adamw(3e-4))
+  """
+  try:
+    wire = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"`dtype` must be a floating dtype, got {dtype!r}") from e
+  if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize not in (2, 4):
+    raise TypeError(
+        "`dtype` must be a 16- or 32-bit floating dtype (float16, bfloat16,"
+        f" float32), got {wire}"
+    )
+  return _dense_mean(axis_name, None if wire.itemsize == 4 else wire)

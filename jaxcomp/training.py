@@ -1,0 +1,197 @@
+"""A data-parallel training step with per-device compressor state.
+
+The compressors' state differs per device (error-feedback residuals, local
+momenta), so it lives outside ``shard_map`` with a leading device axis sharded
+over the data axes; parameters are replicated; each device computes the
+gradient of its own shard of the batch::
+
+  mesh = training.make_mesh(8)                             # axis "data"
+  tx = optax.chain(jaxcomp.gtopk(1e-3, "data"), optax.sgd(0.1))
+  params = training.replicate(params, mesh)
+  opt_state = training.init_state(tx, params, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data")
+  params, opt_state, losses = step(params, opt_state, training.shard(batch, mesh, "data"))
+
+The step skips itself on every device alike when the mean gradient is not
+finite (parameters and state unchanged). To also count skipped steps with
+``optax.apply_if_finite``, put it *after* the compressor:
+``optax.chain(compressor, optax.apply_if_finite(optimizer, 5))``. Wrapped
+around the compressor it tests each device's local gradient, so one device's
+NaN sends that device down the skip branch while the others wait in the
+collective for ever.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+import optax
+
+from jaxcomp import base
+
+# loss_fn(params, batch) -> scalar loss over this device's part of the batch.
+LossFn = Callable[[optax.Params, Any], jax.Array]
+
+
+def make_mesh(
+    shape: int | Sequence[int],
+    axis_names: Sequence[str] = ("data",),
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> Mesh:
+  """A mesh of ``shape`` (an int or one size per axis) over the first devices.
+
+  Args:
+    shape: e.g. ``8`` for one data axis, ``(2, 4)`` with
+      ``axis_names=("x", "y")`` for the 2D torus.
+    axis_names: one name per mesh axis.
+    devices: defaults to ``jax.devices()``.
+  """
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  if len(shape) != len(axis_names):
+    raise ValueError(f"`shape` {shape} and `axis_names` {tuple(axis_names)} differ in length")
+  devices = list(jax.devices() if devices is None else devices)
+  count = math.prod(shape)
+  if count > len(devices):
+    raise ValueError(f"`shape` {shape} needs {count} devices, {len(devices)} available")
+  grid = np.array(devices[:count], dtype=object).reshape(shape)
+  return Mesh(grid, tuple(axis_names))
+
+
+def _spec(axis_name: base.AxisName) -> PartitionSpec:
+  axes = base.check_axis_name(axis_name)
+  return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+
+def num_replicas(mesh: Mesh, axis_name: base.AxisName) -> int:
+  """Devices along the data axes of ``mesh``."""
+  return math.prod(mesh.shape[a] for a in base.check_axis_name(axis_name))
+
+
+def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
+  """``tree`` placed whole on every device of ``mesh`` (parameters)."""
+  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def shard(batch: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
+  """``batch`` split along its leading axis, one part per device."""
+  return jax.device_put(batch, NamedSharding(mesh, _spec(axis_name)))
+
+
+def stack_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
+  """Each leaf copied once per device along a new leading axis, sharded over it."""
+  count = num_replicas(mesh, axis_name)
+  stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + jnp.shape(x)), tree)
+  return jax.device_put(stacked, NamedSharding(mesh, _spec(axis_name)))
+
+
+def init_state(
+    tx: optax.GradientTransformation, params: optax.Params, mesh: Mesh,
+    axis_name: base.AxisName,
+) -> optax.OptState:
+  """``tx.init(params)`` with a leading device axis, sharded over the data axes.
+
+  ``init`` binds no mesh axis, so it runs here outside ``shard_map``; every
+  device starts from the same state and the residuals diverge from step one.
+  """
+  return stack_per_device(tx.init(params), mesh, axis_name)
+
+
+def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
+  """One device's state out of a stacked one (for inspection and tests)."""
+  return jax.tree.map(lambda x: x[device], opt_state)
+
+
+def _guarded_update(tx, loss_fn, has_aux):
+  """The per-device body shared by the shard_map and pmap steps."""
+
+  def body(params, state, batch):
+    (loss, aux), grads = jax.value_and_grad(
+        loss_fn if has_aux else lambda p, b: (loss_fn(p, b), None), has_aux=True
+    )(params, batch)
+    updates, new_state = tx.update(grads, state, params)
+    # The mean gradient is identical on every device, so is this decision.
+    finite = base.all_finite(updates)
+    new_params = optax.apply_updates(params, updates)
+    new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
+    new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    metrics = {"loss": loss, "finite": finite}
+    if has_aux:
+      metrics["aux"] = aux
+    return new_params, new_state, metrics
+
+  return body
+
+
+def make_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    axis_name: base.AxisName,
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+) -> Callable:
+  """A jitted data-parallel step: ``step(params, opt_state, batch)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, local_batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``), the mean over this device's shard of the batch.
+    tx: usually ``optax.chain(compressor, optimizer)``, the compressor's
+      ``axis_name`` the same as here.
+    mesh: the device mesh.
+    axis_name: the data axis, or a pair of axes for the 2D torus.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    donate: donate the parameter and state buffers to the step.
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` with
+    ``params`` replicated, ``opt_state`` stacked per device (see
+    :func:`init_state`), ``batch`` sharded on its leading axis (see
+    :func:`shard`), and ``metrics`` holding per-device ``loss`` and ``finite``
+    with a leading device axis (no collective is spent on them).
+  """
+  spec = _spec(axis_name)
+  body = _guarded_update(tx, loss_fn, has_aux)
+
+  def per_device(params, stacked_state, batch):
+    state = jax.tree.map(lambda x: x[0], stacked_state)
+    params, state, metrics = body(params, state, batch)
+    add_axis = lambda x: jnp.expand_dims(x, 0)
+    return params, jax.tree.map(add_axis, state), jax.tree.map(add_axis, metrics)
+
+  sharded = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(PartitionSpec(), spec, spec),
+      out_specs=(PartitionSpec(), spec, spec),
+      # The compressors' outputs are equal on every device by construction
+      # (tests check it bit for bit); the type system cannot see that through
+      # ppermute and all-to-all.
+      check_vma=False,
+  )
+  return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+
+
+def make_pmap_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    axis_name: str,
+    *,
+    has_aux: bool = False,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> Callable:
+  """The same step through ``jax.pmap``: every argument has a leading device axis.
+
+  Parameters are stacked per device too (``stack_per_device`` or
+  ``jax.device_put_replicated``); the batch is reshaped to
+  ``[devices, per_device, ...]``.
+  """
+  return jax.pmap(
+      _guarded_update(tx, loss_fn, has_aux), axis_name=axis_name, devices=devices
+  )
