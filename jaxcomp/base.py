@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 import math
-from typing import Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 import chex
 import jax
@@ -19,10 +19,29 @@ import optax
 
 AxisName = Union[str, tuple[str, str]]
 
-# Bytes one device sends per step, by collective kind ("all-reduce", ...).
-WireCost = dict[str, Fraction]
-# wire_bytes(params, axis_sizes) -> WireCost, with axis_sizes one int per axis.
-WireBytesFn = Callable[[optax.Params, tuple[int, ...]], WireCost]
+
+
+class Transfer(NamedTuple):
+  """One collective of a compressor's step, as its wire formula states it.
+
+  Attributes:
+    kind: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``,
+      ``"all-to-all"`` or ``"collective-permute"``.
+    group: devices taking part in it (1 for a permute: a pairwise exchange).
+    bytes: what one device sends in it.
+    weight: times per step on average (1/2: every other step).
+  """
+
+  kind: str
+  group: int
+  bytes: Fraction
+  weight: Fraction = Fraction(1)
+
+
+# The collectives of one step. wire_bytes(params, num_devices) -> WireCost,
+# num_devices an int, or (rows, cols) / a mesh shape dict for a pair of axes.
+WireCost = tuple[Transfer, ...]
+WireBytesFn = Callable[[optax.Params, Any], WireCost]
 
 
 class Compressor(optax.GradientTransformation):

@@ -33,23 +33,13 @@ EMPTY_INDEX = np.iinfo(np.int32).max
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _add(cost: base.WireCost, kind: str, nbytes) -> base.WireCost:
-  cost = dict(cost)
-  cost[kind] = cost.get(kind, Fraction(0)) + Fraction(nbytes)
-  return cost
+def _transfer(kind: str, group: int, nbytes) -> base.Transfer:
+  return base.Transfer(kind, group, Fraction(nbytes))
 
 
-def merge_costs(*costs: base.WireCost) -> base.WireCost:
-  """Adds wire costs kind by kind."""
-  out: base.WireCost = {}
-  for cost in costs:
-    for kind, nbytes in cost.items():
-      out = _add(out, kind, nbytes)
-  return out
-
-
-def scale_cost(cost: base.WireCost, factor) -> base.WireCost:
-  return {kind: nbytes * Fraction(factor) for kind, nbytes in cost.items()}
+def every_other_step(cost: base.WireCost, share) -> base.WireCost:
+  """``cost`` happening on a ``share`` of the steps (ACP-SGD's alternation)."""
+  return tuple(t._replace(weight=t.weight * Fraction(share)) for t in cost)
 
 
 # ----------------------------------------------------------------- dense sums
@@ -116,10 +106,9 @@ def _reduce_bytes(n, sizes, itemsize) -> base.WireCost:
   size = sizes[0]
   padded = -(-n // size) * size
   rs_kind = "reduce-scatter" if itemsize == 4 else "all-to-all"
-  cost = {rs_kind: Fraction((size - 1) * padded * itemsize, size)}
-  if len(sizes) > 1:
-    cost = merge_costs(cost, _reduce_bytes(padded // size, sizes[1:], itemsize))
-  return _add(cost, "all-gather", Fraction((size - 1) * padded * itemsize, size))
+  inner = _reduce_bytes(padded // size, sizes[1:], itemsize) if len(sizes) > 1 else ()
+  part = Fraction((size - 1) * padded * itemsize, size)
+  return (_transfer(rs_kind, size, part), *inner, _transfer("all-gather", size, part))
 
 
 def mean(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Array:
@@ -151,7 +140,7 @@ def mean_bytes(n: int, axis_sizes: Sequence[int], *, wire_dtype=None) -> base.Wi
 
 def allreduce_bytes(nbytes: int, group: int) -> base.WireCost:
   """Ring all-reduce of a ``nbytes`` buffer over ``group`` devices."""
-  return {"all-reduce": Fraction(2 * (group - 1) * nbytes, group)}
+  return (_transfer("all-reduce", group, Fraction(2 * (group - 1) * nbytes, group)),)
 
 
 def torus_allreduce(x: jax.Array, row_axis: str, col_axis: str) -> jax.Array:
@@ -210,8 +199,10 @@ def sparse_allgather(
 
 def sparse_allgather_bytes(k: int, num_devices: int, value_itemsize: int = 4) -> base.WireCost:
   """``(P - 1) * k * (value bytes + 4)``: two all-gathers of ``k`` each."""
-  full = num_devices * k * (value_itemsize + 4)
-  return {"all-gather": Fraction((num_devices - 1) * full, num_devices)}
+  return tuple(
+      _transfer("all-gather", num_devices, (num_devices - 1) * k * itemsize)
+      for itemsize in (value_itemsize, 4)
+  )
 
 
 def _sort_key(values: jax.Array, indices: jax.Array) -> jax.Array:
@@ -323,12 +314,18 @@ def _fit_capacity(values, indices, k):
 
 
 def gtopk_allreduce_bytes(k: int, num_devices: int, value_itemsize: int = 4) -> base.WireCost:
-  """Bytes one device of a power-of-two group sends: ``log2(P) * k * 8``."""
+  """``log2(P)`` rounds of ``k`` values and ``k`` indices (two more for other P).
+
+  For P not a power of two the fold and the send-back count as two more
+  rounds, as the compiled program holds them (only the extra devices and
+  their partners use them).
+  """
   power = 1 << (num_devices.bit_length() - 1)
-  rounds = power.bit_length() - 1
-  if num_devices != power:
-    rounds += 2
-  return {"collective-permute": Fraction(rounds * k * (value_itemsize + 4))}
+  rounds = power.bit_length() - 1 + (2 if num_devices != power else 0)
+  return tuple(
+      _transfer("collective-permute", 1, k * itemsize)
+      for _ in range(rounds) for itemsize in (value_itemsize, 4)
+  )
 
 
 def densify(values: jax.Array, indices: jax.Array, n: int) -> jax.Array:

@@ -234,5 +234,10 @@ def expected_bytes(
         f" {type(tx).__name__}"
     )
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  by_kind = tx.wire_bytes(shapes, num_devices)
-  return WireBytes(by_kind={k: v for k, v in by_kind.items() if v})
+  by_kind: dict[str, Fraction] = {}
+  for transfer in tx.wire_bytes(shapes, num_devices):
+    if transfer.bytes:
+      by_kind[transfer.kind] = (
+          by_kind.get(transfer.kind, Fraction(0)) + transfer.bytes * transfer.weight
+      )
+  return WireBytes(by_kind=by_kind)
