@@ -1,0 +1,1 @@
+"""jaxcomp's experiments: the comparison, benchmarks, scaling and netbench."""
