@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import chex
 import jax
@@ -51,16 +51,17 @@ class Compressor(optax.GradientTransformation):
   other transformation; ``wire_bytes(params, axis_sizes)`` gives the bytes one
   device sends per step for gradients shaped like ``params`` on a mesh whose
   compressor axes have sizes ``axis_sizes`` (one int, or ``(rows, cols)`` for
-  a pair of axes).
+  a pair of axes). (It is ``None`` on a copy rebuilt by ``jax.tree.map``,
+  which sees a namedtuple of two fields.)
   """
 
-  wire_bytes: WireBytesFn
+  wire_bytes: Optional[WireBytesFn]
 
   def __new__(
       cls,
       init: optax.TransformInitFn,
       update: optax.TransformUpdateFn,
-      wire_bytes: WireBytesFn,
+      wire_bytes: Optional[WireBytesFn] = None,
   ) -> "Compressor":
     self = super().__new__(cls, init, update)
     self.wire_bytes = wire_bytes

@@ -205,6 +205,22 @@ def sparse_allgather_bytes(k: int, num_devices: int, value_itemsize: int = 4) ->
   )
 
 
+def allgather(x: jax.Array, axis_name: base.AxisName) -> jax.Array:
+  """Every device's ``x``, stacked: ``[P, *x.shape]``, row ``i`` from device ``i``.
+
+  A pair of axes gathers over both at once (one all-gather over the mesh,
+  devices in row-major order).
+  """
+  axes = base.check_axis_name(axis_name)
+  base.axis_sizes(axes)
+  return lax.all_gather(x, axes[0] if len(axes) == 1 else axes)
+
+
+def allgather_bytes(nbytes: int, group: int) -> base.WireCost:
+  """All-gather of ``nbytes`` from each of ``group`` devices: ``(G - 1) * nbytes``."""
+  return (_transfer("all-gather", group, (group - 1) * nbytes),)
+
+
 def _sort_key(values: jax.Array, indices: jax.Array) -> jax.Array:
   """Magnitude to rank by: NaN ranks first (so poison survives), empty slots last."""
   magnitude = jnp.abs(values)

@@ -228,7 +228,7 @@ def expected_bytes(
   Returns:
     :class:`WireBytes` with ``by_kind`` and ``total`` (no ``ops``).
   """
-  if not isinstance(tx, base.Compressor):
+  if not isinstance(tx, base.Compressor) or tx.wire_bytes is None:
     raise TypeError(
         "`tx` must be a jaxcomp compressor (it carries its wire formula), got"
         f" {type(tx).__name__}"

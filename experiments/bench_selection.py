@@ -1,0 +1,99 @@
+"""Selecting the top 0.1% of a large gradient on CPU: exact, approximate, sampled.
+
+Times (median of ``--repeats`` runs after one warm-up run, each jitted; wall
+clock and this process's CPU time) with the speed-up over ``lax.top_k``
+measured in the same run, and recall against the exact ``lax.top_k``:
+
+* ``lax.top_k``: exact, the baseline;
+* ``lax.approx_max_k``: XLA's approximate top-k (exact on CPU);
+* ``sampled threshold``: DGC's selection,
+  :func:`jaxcomp.sparsify.sampled_topk` (threshold from a sample, one-pass
+  compaction, exact top-k among the candidates, ``lax.top_k`` fallback);
+* ``threshold + nonzero``: the naive compaction of the same threshold with
+  ``jnp.nonzero(size=...)``, for comparison.
+
+Usage::
+
+  python -m experiments.bench_selection --size 25600000 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from jaxcomp import sparsify
+
+
+def _median_seconds(fn, args, repeats: int) -> tuple[float, float]:
+  """Median wall and process-CPU seconds of ``fn(*args)`` after one warm-up run.
+
+  CPU time (all threads of this process) is less disturbed than wall time
+  when other jobs share the cores.
+  """
+  jax.block_until_ready(fn(*args))
+  wall, cpu = [], []
+  for _ in range(repeats):
+    start, start_cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    wall.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+  return statistics.median(wall), statistics.median(cpu)
+
+
+def _recall(indices, exact: np.ndarray) -> float:
+  got = np.asarray(indices)
+  return len(np.intersect1d(got, exact)) / len(exact)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--size", type=int, default=25_600_000, help="floats in the vector")
+  parser.add_argument("--density", type=float, default=0.001, help="share selected")
+  parser.add_argument("--sample-ratio", type=float, default=0.01,
+                      help="share sampled for the threshold")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+
+  n = args.size
+  k = max(1, math.ceil(args.density * n))
+  x = jax.random.normal(jax.random.key(args.seed), (n,), jnp.float32)
+  key = jax.random.key(args.seed + 1)
+
+  exact_fn = jax.jit(lambda x: lax.top_k(jnp.abs(x), k)[1])
+  approx_fn = jax.jit(lambda x: lax.approx_max_k(jnp.abs(x), k)[1])
+  sampled_fn = jax.jit(
+      lambda x, key: sparsify.sampled_topk(x, k, k, key, args.sample_ratio)[1]
+  )
+
+  exact = np.asarray(exact_fn(x))
+  rows = [
+      ("lax.top_k", exact_fn, (x,)),
+      ("lax.approx_max_k", approx_fn, (x,)),
+      (f"sampled threshold ({args.sample_ratio:g})", sampled_fn, (x, key)),
+  ]
+  results = []
+  for name, fn, fn_args in rows:
+    wall, cpu = _median_seconds(fn, fn_args, args.repeats)
+    results.append((name, wall, cpu, _recall(fn(*fn_args), exact)))
+  base_wall, base_cpu = results[0][1], results[0][2]
+  print(f"top {k} of {n} f32 (density {args.density:g}), median of {args.repeats},"
+        f" {jax.devices()[0].platform}")
+  print(f"| {'method':<28} | {'wall ms':>8} | {'speed-up':>8} | {'cpu ms':>8} |"
+        f" {'speed-up':>8} | {'recall':>6} |")
+  print(f"|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 8}|")
+  for name, wall, cpu, recall in results:
+    print(f"| {name:<28} | {wall * 1e3:>8.2f} | {base_wall / wall:>7.1f}x |"
+          f" {cpu * 1e3:>8.2f} | {base_cpu / cpu:>7.1f}x | {recall:>6.4f} |")
+
+
+if __name__ == "__main__":
+  main()

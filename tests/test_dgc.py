@@ -1,0 +1,409 @@
+"""Deep Gradient Compression on 8 fake CPU devices: each of its five parts."""
+
+from fractions import Fraction
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+import numpy as np
+import optax
+import pytest
+
+from jaxcomp import dense
+from jaxcomp import dgc
+from jaxcomp import training
+from jaxcomp import wire
+
+SHAPES = {"b": (12,), "c": (3, 4, 5), "w": (16, 12)}  # sparse (rank > 1): c, w
+N_SPARSE = 60 + 192
+SPARSE = {"c": slice(12, 72), "w": slice(72, 264)}  # positions in jax.tree.leaves order
+
+
+def params_like(dtype=jnp.float32):
+  return {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
+
+
+def device_grads(num, seed=0, dtype=jnp.float32, scale=1.0):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {
+      name: (scale * jax.random.normal(key, (num,) + shape)).astype(dtype)
+      for key, (name, shape) in zip(keys, sorted(SHAPES.items()))
+  }
+
+
+def flat(tree, device=None):
+  leaves = jax.tree.leaves(tree)
+  if device is not None:
+    leaves = [x[device] for x in leaves]
+  return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in leaves])
+
+
+def sharded_update(tx, mesh, axis="data", wrap=None):
+  def per_device(grads, state):
+    first = lambda t: jax.tree.map(lambda x: x[0], t)
+    out, new_state = tx.update(first(grads), first(state))
+    add = lambda t: jax.tree.map(lambda x: x[None], t)
+    return add(out), add(new_state)
+
+  body = per_device if wrap is None else wrap(per_device)
+  spec = PartitionSpec(axis)
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False
+  ))
+
+
+def assert_same_on_devices(out):
+  for leaf in jax.tree.leaves(out):
+    leaf = np.asarray(leaf)
+    for d in range(1, leaf.shape[0]):
+      np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
+
+
+def np_topk(x, k):
+  return np.argsort(-np.abs(x), kind="stable")[:k]
+
+
+def dgc_oracle(grads, state, *, k, m, nesterov=False, clip=None):
+  """numpy DGC step on flat vectors: (output, [(residual, momentum)] per device).
+
+  ``grads``: per-device flat f32 vectors; ``state``: per-device (residual,
+  momentum) flat vectors. Exact top-k selection (sample_ratio=1).
+  """
+  num = len(grads)
+  sparse = np.zeros(grads[0].shape, bool)
+  for s in SPARSE.values():
+    sparse[s] = True
+  out = np.zeros_like(grads[0])
+  new = []
+  clipped = []
+  for g in grads:
+    if clip is not None:
+      g = g * min(1.0, clip / math.sqrt(num) / np.linalg.norm(g))
+    clipped.append(g)
+  for g, (e, u) in zip(clipped, state):
+    u = u.copy()
+    e = e.copy()
+    if nesterov:
+      u[sparse] = m * (u[sparse] + g[sparse])
+      acc = u[sparse] + g[sparse]
+    else:
+      u[sparse] = m * u[sparse] + g[sparse]
+      acc = u[sparse]
+    v = acc + e[sparse]
+    idx = np_topk(v, k)
+    sent = np.zeros_like(v)
+    sent[idx] = v[idx]
+    out[sparse] += sent / num
+    v[idx] = 0
+    us = u[sparse]
+    us[idx] = 0
+    u[sparse] = us
+    e[sparse] = v
+    new.append([e, u])
+  mean_dense = np.mean([g[~sparse] for g in clipped], axis=0)
+  u_dense = state[0][1][~sparse]
+  if nesterov:
+    u_dense = m * (u_dense + mean_dense)
+    out[~sparse] = u_dense + mean_dense
+  else:
+    u_dense = m * u_dense + mean_dense
+    out[~sparse] = u_dense
+  for pair in new:
+    pair[1][~sparse] = u_dense
+  return out, new
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+  return training.make_mesh(8)
+
+
+# ------------------------------------------------------------------ contract
+
+
+def test_contract(mesh8):
+  tx = dgc.dgc(0.1, "data", clip_norm=10.0, warmup_steps=4, sample_ratio=0.5)
+  state = tx.init(params_like(jnp.bfloat16))  # outside any mesh
+  assert isinstance(state, dgc.DGCState)
+  assert state.count.dtype == jnp.int32 and state.rng_key.dtype == jnp.uint32
+  for leaf in jax.tree.leaves((state.residual, state.momentum)):
+    assert leaf.dtype == jnp.float32
+  stacked = training.stack_per_device(state, mesh8, "data")
+  chex.clear_trace_counter()
+  step = sharded_update(tx, mesh8, wrap=lambda f: chex.assert_max_traces(f, n=1))
+  out, new = step(device_grads(8, dtype=jnp.bfloat16), stacked)
+  out, newer = step(device_grads(8, seed=1, dtype=jnp.bfloat16), new)
+  for leaf in jax.tree.leaves(out):
+    assert leaf.dtype == jnp.bfloat16
+  assert_same_on_devices(out)
+  assert jax.tree.structure(newer) == jax.tree.structure(stacked)
+  for a, b in zip(jax.tree.leaves(newer), jax.tree.leaves(stacked)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_chains_into_sgd_and_adamw(mesh8):
+  params = params_like()
+  chains = [optax.chain(dgc.dgc(0.1, "data"), opt) for opt in (optax.sgd(0.1), optax.adamw(1e-3))]
+  states = [training.init_state(c, params, mesh8, "data") for c in chains]
+
+  def per_device(grads, states):
+    first = lambda t: jax.tree.map(lambda x: x[0], t)
+    outs = [c.update(first(grads), first(s), params)[0] for c, s in zip(chains, states)]
+    return jax.tree.map(lambda x: x[None], outs)
+
+  spec = PartitionSpec("data")
+  outs = jax.jit(jax.shard_map(
+      per_device, mesh=mesh8, in_specs=(spec, spec), out_specs=spec, check_vma=False
+  ))(device_grads(8), states)
+  for out in outs:
+    assert_same_on_devices(out)
+    assert np.all(np.isfinite(flat(out)))
+
+
+@pytest.mark.parametrize("num", [2, 4, 8])
+@pytest.mark.parametrize("sparse_leaves", ["rank>1", "all"])
+def test_compiled_bytes_equal_formula(sparse_leaves, num):
+  mesh = training.make_mesh(num)
+  tx = dgc.dgc(0.05, "data", sample_ratio=0.5, sparse_leaves=sparse_leaves)
+  params = params_like()
+  state = training.init_state(tx, params, mesh, "data")
+  compiled = sharded_update(tx, mesh).lower(device_grads(num), state).compile()
+  got = wire.collective_bytes(compiled)
+  want = wire.expected_bytes(tx, params, num)
+  assert got.by_kind == want.by_kind
+  n_sparse = 264 if sparse_leaves == "all" else N_SPARSE
+  sparse_bytes = (num - 1) * 8 * math.ceil(0.05 * n_sparse)
+  dense_bytes = 0 if sparse_leaves == "all" else 2 * (num - 1) * 4 * 12 / num
+  assert got.total == sparse_bytes + dense_bytes
+
+
+def test_torus_bytes_and_warmup_capacity():
+  mesh = training.make_mesh((2, 4), ("x", "y"))
+  tx = dgc.dgc(0.05, ("x", "y"), warmup_steps=8)
+  params = params_like()
+  state = training.init_state(tx, params, mesh, ("x", "y"))
+  step = sharded_update(tx, mesh, axis=("x", "y"))
+  got = wire.collective_bytes(step.lower(device_grads(8), state).compile())
+  assert got.by_kind == wire.expected_bytes(tx, params, (2, 4)).by_kind
+  # The wire carries the fixed capacity, the largest k of the schedule (25%),
+  # beside the torus all-gather of the 12 dense elements (half of them sent).
+  assert got.by_kind["all-gather"] == 7 * 8 * math.ceil(0.25 * N_SPARSE) + 4 * 12 // 2
+  out, _ = step(device_grads(8), state)
+  assert_same_on_devices(out)
+
+
+def test_compression_ratio_on_a_small_cnn():
+  """4 n / bytes of one device's message (the wire at P = 2 is one message)."""
+  cnn = {
+      "conv1": {"kernel": jnp.zeros((3, 3, 1, 16)), "bias": jnp.zeros(16)},
+      "conv2": {"kernel": jnp.zeros((3, 3, 16, 32)), "bias": jnp.zeros(32)},
+      "dense1": {"kernel": jnp.zeros((800, 64)), "bias": jnp.zeros(64)},
+      "dense2": {"kernel": jnp.zeros((64, 10)), "bias": jnp.zeros(10)},
+  }
+  n = sum(x.size for x in jax.tree.leaves(cnn))
+  ratio = lambda rule: 4 * n / wire.expected_bytes(
+      dgc.dgc(0.001, "data", sparse_leaves=rule), cnn, 2).total
+  assert ratio("all") == Fraction(4 * n, 8 * math.ceil(0.001 * n))
+  assert ratio("all") >= 300
+  biases = 16 + 32 + 64 + 10
+  kernels = n - biases
+  assert ratio("rank>1") == Fraction(4 * n, 8 * math.ceil(0.001 * kernels) + 4 * biases)
+  # The paper's rule sends the biases dense: about 240x here.
+  assert 200 < ratio("rank>1") < 300
+
+
+# ------------------------------------------------------------------ semantics
+
+
+def test_full_density_equals_allreduce(mesh8):
+  tx = dgc.dgc(1.0, "data", momentum=0.0)
+  base_tx = dense.allreduce("data")
+  step = sharded_update(tx, mesh8)
+  base_step = sharded_update(base_tx, mesh8)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  base_state = training.init_state(base_tx, params_like(), mesh8, "data")
+  for seed in (0, 1):
+    grads = device_grads(8, seed=seed)
+    out, state = step(grads, state)
+    want, _ = base_step(grads, base_state)
+    chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_matches_numpy_over_three_steps(nesterov, mesh8):
+  """Momentum correction, clipping, masking: all against the numpy spec."""
+  k = math.ceil(0.05 * N_SPARSE)
+  tx = dgc.dgc(0.05, "data", momentum=0.9, nesterov=nesterov, clip_norm=20.0,
+               sample_ratio=1.0)
+  step = sharded_update(tx, mesh8)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  ref = [(np.zeros(264, np.float32), np.zeros(264, np.float32)) for _ in range(8)]
+  for seed, scale in ((0, 1.0), (1, 3.0), (2, 0.5)):
+    grads = device_grads(8, seed=seed, scale=scale)
+    out, state = step(grads, state)
+    want, ref = dgc_oracle([flat(grads, d) for d in range(8)], ref, k=k, m=0.9,
+                           nesterov=nesterov, clip=20.0)
+    assert_same_on_devices(out)
+    np.testing.assert_allclose(flat(out, 0), want, rtol=1e-5, atol=1e-5)
+    for d in range(8):
+      np.testing.assert_allclose(flat(state.residual, d), ref[d][0], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(flat(state.momentum, d), ref[d][1], rtol=1e-5, atol=1e-5)
+
+
+def test_momentum_correction_accumulates_velocity(mesh8):
+  """With a constant gradient, unsent coordinates hold v = g + (m + 1) g + ..."""
+  tx = dgc.dgc(0.01, "data", momentum=0.5, sample_ratio=1.0)
+  step = sharded_update(tx, mesh8)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  grads = device_grads(8, seed=3)
+  for _ in range(2):
+    _, state = step(grads, state)
+  sparse = lambda t: np.concatenate([flat(t, 4)[s] for s in SPARSE.values()])
+  g, e, u = sparse(grads), sparse(state.residual), sparse(state.momentum)
+  k = math.ceil(0.01 * N_SPARSE)
+  first = np_topk(g, k)
+  unsent = np.ones(N_SPARSE, bool)
+  unsent[first] = False
+  unsent &= e != 0  # not sent at step 2 either
+  assert unsent.sum() == N_SPARSE - 2 * k
+  # u1 = g, v1 = g; u2 = 0.5 g + g, v2 = g + 1.5 g (gradient accumulation would give 2 g).
+  np.testing.assert_allclose(u[unsent], 1.5 * g[unsent], rtol=1e-6)
+  np.testing.assert_allclose(e[unsent], 2.5 * g[unsent], rtol=1e-6)
+
+
+def test_masking_zeroes_velocity_and_momentum_where_sent(mesh8):
+  k = math.ceil(0.02 * N_SPARSE)
+  tx = dgc.dgc(0.02, "data", momentum=0.9, sample_ratio=1.0)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  grads = device_grads(8, seed=4)
+  _, state = sharded_update(tx, mesh8)(grads, state)
+  for d in (0, 5):
+    g = np.concatenate([flat(grads, d)[s] for s in SPARSE.values()])
+    e = np.concatenate([flat(state.residual, d)[s] for s in SPARSE.values()])
+    u = np.concatenate([flat(state.momentum, d)[s] for s in SPARSE.values()])
+    sent = np_topk(g, k)
+    assert not np.any(u[sent]) and not np.any(e[sent])
+    rest = np.setdiff1d(np.arange(N_SPARSE), sent)
+    np.testing.assert_array_equal(u[rest], g[rest])
+    # Mass conservation, bit for bit: sent + new residual == velocity.
+    np.testing.assert_array_equal(e[rest], g[rest])
+
+
+def test_clipping_bounds_each_device_norm(mesh8):
+  clip = 2.0
+  tx = dgc.dgc(0.01, "data", momentum=0.0, clip_norm=clip, sample_ratio=1.0,
+               sparse_leaves="all")
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  grads = device_grads(8, seed=6, scale=100.0)
+  out, state = sharded_update(tx, mesh8)(grads, state)
+  for d in range(8):
+    g = flat(grads, d)
+    velocity = flat(state.residual, d)
+    sent = velocity == 0
+    velocity[sent] = g[sent] * clip / math.sqrt(8) / np.linalg.norm(g)
+    # The velocity is the clipped gradient: its norm is clip / sqrt(P).
+    np.testing.assert_allclose(np.linalg.norm(velocity), clip / math.sqrt(8), rtol=1e-5)
+  assert np.abs(flat(out, 0)).max() <= clip / math.sqrt(8)
+
+
+def test_warmup_density_schedule():
+  ramp = [dgc.warmup_density(0.001, 8, t) for t in range(10)]
+  assert ramp == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.004, 0.004, 0.001, 0.001]
+  assert dgc.warmup_density(0.01, 8, 7) == 0.01  # never below the target
+  assert dgc.warmup_density(0.001, 0, 0) == 0.001
+  assert dgc.capacity(0.001, 100, 10_000) == 2500
+  assert dgc.capacity(0.001, 0, 10_000) == 10
+
+
+def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
+  tx = dgc.dgc(0.02, "data", momentum=0.0, warmup_steps=8, sample_ratio=1.0)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  chex.clear_trace_counter()
+  step = sharded_update(tx, mesh8, wrap=lambda f: chex.assert_max_traces(f, n=1))
+  sent_counts = []
+  for t in range(10):
+    grads = device_grads(8, seed=10 + t)
+    _, state = step(grads, state)
+    # Momentum 0: the momentum is the gradient, zeroed exactly where sent.
+    u = np.concatenate([flat(state.momentum, 2)[s] for s in SPARSE.values()])
+    sent_counts.append(int(np.sum(u == 0)))
+  want = [math.ceil(dgc.warmup_density(0.02, 8, t) * N_SPARSE) for t in range(10)]
+  assert sent_counts == want
+  assert want[0] == 63 and want[-1] == 6
+
+
+def test_sampled_threshold_selects_within_capacity(mesh8):
+  """On the sampled path the payload holds exactly k of the largest entries."""
+  k = math.ceil(0.01 * 65536)
+  tx = dgc.dgc(0.01, "data", momentum=0.0, sample_ratio=0.05)
+  params = {"big": jnp.zeros((256, 256))}
+  state = training.init_state(tx, params, mesh8, "data")
+  grads = {"big": jax.random.normal(jax.random.key(8), (8, 256, 256))}
+  out, state = sharded_update(tx, mesh8)(grads, state)
+  assert_same_on_devices(out)
+  for d in (0, 7):
+    g = np.asarray(grads["big"][d]).reshape(-1)
+    sent = np.asarray(state.momentum["big"][d]).reshape(-1) == 0
+    assert sent.sum() == k
+    np.testing.assert_array_equal(np.sort(np.nonzero(sent)[0]), np.sort(np_topk(g, k)))
+  assert wire.expected_bytes(tx, params, 8).total == 7 * 8 * k
+
+
+def test_nan_on_one_device_poisons_all_and_keeps_state(mesh8):
+  tx = dgc.dgc(0.05, "data", clip_norm=5.0, sample_ratio=0.5)
+  step = sharded_update(tx, mesh8)
+  state = training.init_state(tx, params_like(), mesh8, "data")
+  _, state = step(device_grads(8, seed=1), state)
+  for leaf in ("b", "w"):
+    grads = device_grads(8, seed=2)
+    grads[leaf] = grads[leaf].at[6, 0].set(jnp.inf if leaf == "b" else jnp.nan)
+    out, new = step(grads, state)
+    for d in range(8):
+      assert not np.all(np.isfinite(flat(out, d)))
+    chex.assert_trees_all_equal(new, state)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new))
+
+
+def test_mismatched_updates_raise():
+  tx = dgc.dgc(0.1, "data")
+  state = tx.init(params_like())
+  with pytest.raises(ValueError, match="structure"):
+    tx.update({"w": jnp.zeros((16, 12))}, state)
+
+
+# ------------------------------------------------------------------ arguments
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"density": 0.0}, "`density` must be in \\(0, 1\\]"),
+    ({"density": float("nan")}, "`density` must be in \\(0, 1\\]"),
+    ({"density": 1.01}, "`density` must be in \\(0, 1\\]"),
+    ({"momentum": 1.0}, "`momentum` must be in \\[0, 1\\)"),
+    ({"momentum": -0.1}, "`momentum` must be in \\[0, 1\\)"),
+    ({"momentum": float("nan")}, "`momentum` must be in \\[0, 1\\)"),
+    ({"sample_ratio": 0.0}, "`sample_ratio` must be in \\(0, 1\\]"),
+    ({"sample_ratio": 1.5}, "`sample_ratio` must be in \\(0, 1\\]"),
+    ({"warmup_steps": -1}, "`warmup_steps` must be >= 0"),
+    ({"clip_norm": 0.0}, "`clip_norm` must be None or in \\(0, inf\\)"),
+    ({"clip_norm": float("inf")}, "`clip_norm` must be None or in \\(0, inf\\)"),
+    ({"axis_name": ""}, "`axis_name`"),
+    ({"sparse_leaves": "rank>2"}, "`sparse_leaves` must be"),
+    ({"seed": -3}, "`seed` must be in"),
+])
+def test_bad_arguments_raise_value_error(kwargs, match):
+  args = {"density": 0.01, "axis_name": "data", **kwargs}
+  with pytest.raises(ValueError, match=match):
+    dgc.dgc(**args)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"momentum": "0.9"}, "`momentum`"),
+    ({"nesterov": 1}, "`nesterov`"),
+    ({"warmup_steps": 2.5}, "`warmup_steps`"),
+    ({"clip_norm": "1"}, "`clip_norm`"),
+])
+def test_bad_argument_types_raise_type_error(kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    dgc.dgc(0.01, "data", **kwargs)
