@@ -1,0 +1,426 @@
+"""PowerSGD and ACP-SGD on 8 fake CPU devices, against numpy oracles."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+import numpy as np
+import optax
+import pytest
+
+from experiments import shapes
+from jaxcomp import dense as dense_lib
+from jaxcomp import lowrank
+from jaxcomp import training
+from jaxcomp import wire
+
+RANK = 2
+# conv (36 x 8) and two dense (16 x 12) kernels are compressed at rank 2;
+# the bias and the (2 x 3) matrix go dense.
+PARAMS = {
+    "conv": jnp.zeros((3, 3, 4, 8)),
+    "dense": {"kernel": jnp.zeros((16, 12)), "bias": jnp.zeros((12,))},
+    "dense2": jnp.zeros((16, 12)),
+    "small": jnp.zeros((2, 3)),
+}
+COMPRESSED = ("conv", "dense.kernel", "dense2")
+FACTORIES = {
+    "powersgd": lambda axis: lowrank.powersgd(RANK, axis),
+    "powersgd_cold": lambda axis: lowrank.powersgd(RANK, axis, warm_start=False),
+    "acpsgd": lambda axis: lowrank.acpsgd(RANK, axis),
+}
+CHAINED_IN_MULTISTEPS = "acpsgd"
+MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
+
+
+def _axis(names):
+  return names[0] if len(names) == 1 else names
+
+
+def _leaf(tree, path):
+  for part in path.split("."):
+    tree = tree[part]
+  return tree
+
+
+def _per_device_normal(seed, devices=8, dtype=jnp.float32):
+  leaves, treedef = jax.tree.flatten(PARAMS)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      jax.random.normal(k, (devices,) + x.shape).astype(dtype) for k, x in zip(keys, leaves)
+  ])
+
+
+def _step_fn(tx, mesh, axis, max_traces=None):
+  """jit(shard_map(update)) over stacked per-device gradients and state."""
+  spec = PartitionSpec(axis)
+
+  def per_device(grads, state):
+    grads, state = jax.tree.map(lambda x: x[0], (grads, state))
+    out = tx.update(grads, state)
+    return jax.tree.map(lambda x: x[None], out)
+
+  if max_traces is not None:
+    per_device = chex.assert_max_traces(per_device, n=max_traces)
+
+  return jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+      check_vma=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name, mesh_name):
+  """Two steps of a compressor; everything the tests read, compiled once."""
+  shape, names = MESHES[mesh_name]
+  axis = _axis(names)
+  mesh = training.make_mesh(shape, names)
+  tx = FACTORIES[name](axis)
+  fn = _step_fn(tx, mesh, axis)
+  states = [training.stack_per_device(tx.init(PARAMS), mesh, axis)]
+  grads = [training.shard(_per_device_normal(s), mesh, axis) for s in (1, 2)]
+  compiled = fn.lower(grads[0], states[0]).compile()
+  outs = []
+  for g in grads:
+    out, state = fn(g, states[-1])
+    outs.append(out)
+    states.append(state)
+  return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled,
+              grads=grads, states=states, outs=outs)
+
+
+def _np(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def _gram_schmidt(a):
+  a = a.copy()
+  for i in range(a.shape[1]):
+    for j in range(i):
+      a[:, i] -= (a[:, j] @ a[:, i]) * a[:, j]
+    norm = np.linalg.norm(a[:, i])
+    a[:, i] /= norm if norm else 1.0
+  return a
+
+
+def _factor(flat, path, which):
+  """One leaf's factor out of a state's flat buffer, laid out by the matrix view."""
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  paths = [_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(PARAMS)]
+  factors = view.p_factors(flat) if which == "p" else view.q_factors(flat)
+  in_bucket_order = [batch[j] for batch in factors for j in range(batch.shape[0])]
+  k = view.lowrank.leaves.index(paths.index(path))
+  return np.asarray(in_bucket_order[k], np.float64)
+
+
+def _path(key_path):
+  return ".".join(str(k.key) for k in key_path)
+
+
+def _matrix(x):
+  return x.reshape(-1, x.shape[-1])
+
+
+# ------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_init_outside_mesh_and_dtypes(name):
+  state = FACTORIES[name]("data").init(PARAMS)
+  assert state.count.dtype == jnp.int32 and state.count.shape == ()
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.residual))
+  chex.assert_trees_all_equal_shapes(state.residual, PARAMS)
+  assert state.q.dtype == jnp.float32
+  if hasattr(state, "rng_key"):
+    assert state.rng_key.dtype == jnp.uint32
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", FACTORIES)
+def test_identical_on_every_device(name, mesh_name):
+  run = _run(name, mesh_name)
+  for out in run["outs"]:
+    for leaf in jax.tree.leaves(out):
+      leaf = np.asarray(leaf)
+      assert np.isfinite(leaf).all()
+      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+  state = run["states"][-1]
+  for factor in (state.q,) + ((state.p,) if name == "acpsgd" else ()):
+    factor = np.asarray(factor)
+    np.testing.assert_array_equal(factor, np.broadcast_to(factor[:1], factor.shape))
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_state_structure_stable(name):
+  run = _run(name, "1d")
+  first, last = run["states"][0], run["states"][-1]
+  chex.assert_trees_all_equal_structs(first, last)
+  chex.assert_trees_all_equal_dtypes(first, last)
+  chex.assert_trees_all_equal_shapes(first, last)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_bf16_in_bf16_out_one_trace(name):
+  chex.clear_trace_counter()
+  mesh, axis = training.make_mesh(8), "data"
+  tx = FACTORIES[name](axis)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+  state = training.stack_per_device(tx.init(params), mesh, axis)
+  step = _step_fn(tx, mesh, axis, max_traces=1)
+  for seed in (3, 4):
+    grads = training.shard(_per_device_normal(seed, dtype=jnp.bfloat16), mesh, axis)
+    out, new_state = step(grads, state)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(out))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(out))
+    chex.assert_trees_all_equal_structs(state, new_state)
+    chex.assert_trees_all_equal_dtypes(state, new_state)
+    state = new_state
+
+
+@pytest.mark.parametrize("name, optimizer", [
+    *((name, optimizer) for name in FACTORIES for optimizer in ("sgd", "adamw")),
+    (CHAINED_IN_MULTISTEPS, "multisteps"),
+])
+def test_chains_into_optimizers(name, optimizer):
+  inner = {"sgd": optax.sgd(0.1, momentum=0.9), "adamw": optax.adamw(1e-2),
+           "multisteps": optax.sgd(0.1)}[optimizer]
+  tx = optax.chain(FACTORIES[name]("data"), inner)
+  if optimizer == "multisteps":
+    tx = optax.MultiSteps(tx, every_k_schedule=2)
+  mesh = training.make_mesh(8)
+  targets = _per_device_normal(4, devices=16)
+
+  def loss_fn(params, batch):
+    return sum(jnp.mean(jnp.sum((p[None] - b) ** 2, axis=tuple(range(1, b.ndim))))
+               for p, b in zip(jax.tree.leaves(params), jax.tree.leaves(batch)))
+
+  params = training.replicate(PARAMS, mesh)
+  state = training.init_state(tx, PARAMS, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
+  batch = training.shard(targets, mesh, "data")
+  losses = []
+  for _ in range(4):
+    params, state, metrics = step(params, state, batch)
+    assert np.asarray(metrics["finite"]).all()
+    losses.append(float(np.mean(metrics["loss"])))
+  assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------------- bytes
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", FACTORIES)
+def test_compiled_bytes_equal_formula(name, mesh_name):
+  run = _run(name, mesh_name)
+  shape = MESHES[mesh_name][0]
+  got = wire.collective_bytes(run["compiled"])
+  assert got.by_kind == wire.expected_bytes(run["tx"], PARAMS, shape).by_kind
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_compiled_bytes_on_smaller_rings(name, devices):
+  mesh = training.make_mesh(devices)
+  tx = FACTORIES[name]("data")
+  state = training.stack_per_device(tx.init(PARAMS), mesh, "data")
+  grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
+  compiled = _step_fn(tx, mesh, "data").lower(grads, state).compile()
+  assert wire.collective_bytes(compiled).by_kind == (
+      wire.expected_bytes(tx, PARAMS, devices).by_kind)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_torus_pattern(name):
+  ops = wire.collective_bytes(_run(name, "2x4")["compiled"]).ops
+  kinds = [(op.kind, op.group_size) for op in ops]
+  assert kinds == [("reduce-scatter", 2), ("all-reduce", 4), ("all-gather", 2)] * 2
+
+
+def test_acpsgd_sends_fewer_bytes_than_powersgd():
+  for mesh_name in MESHES:
+    acp = wire.collective_bytes(_run("acpsgd", mesh_name)["compiled"]).total
+    power = wire.collective_bytes(_run("powersgd", mesh_name)["compiled"]).total
+    assert 0 < acp < power
+  for model in (shapes.resnet50(), shapes.transformer()):
+    acp = wire.expected_bytes(lowrank.acpsgd(4, "data"), model, 8).total
+    power = wire.expected_bytes(lowrank.powersgd(4, "data"), model, 8).total
+    dense = wire.expected_bytes(dense_lib.allreduce("data"), model, 8).total
+    assert acp < power < dense
+
+
+def test_acpsgd_one_fused_allreduce_per_branch():
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  ops = wire.collective_bytes(_run("acpsgd", "1d")["compiled"]).ops
+  assert [op.kind for op in ops] == ["all-reduce", "all-reduce"]
+  assert all(op.weight == 0.5 for op in ops)
+  assert sorted(op.buffer_bytes for op in ops) == sorted(
+      4 * (size + view.dense.size) for size in (view.p_size, view.q_size))
+
+
+def test_powersgd_two_allreduces():
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  ops = wire.collective_bytes(_run("powersgd", "1d")["compiled"]).ops
+  assert [(op.kind, op.buffer_bytes) for op in ops] == [
+      ("all-reduce", 4 * (view.p_size + view.dense.size)), ("all-reduce", 4 * view.q_size)]
+
+
+# ------------------------------------------------------------------ semantics
+
+
+def test_matrix_view():
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  assert view.groups == ((2, 16, 12), (1, 36, 8))
+  assert view.p_size == 2 * (2 * 16 + 36) and view.q_size == 2 * (2 * 12 + 8)
+  assert view.dense.size == 12 + 6
+  # A higher bar sends the (36 x 8) conv dense: (36 + 8) * 2 * 3 > 288.
+  assert lowrank.MatrixView.of(PARAMS, RANK, 3.3).groups == ((2, 16, 12),)
+
+
+def test_powersgd_matches_numpy_oracle():
+  run = _run("powersgd", "1d")
+  grads, state0 = _np(run["grads"][0]), run["states"][0]
+  out, state1 = run["outs"][0], run["states"][1]
+  for path in COMPRESSED:
+    m = [_matrix(_leaf(grads, path)[i]) for i in range(8)]
+    q = _factor(np.asarray(state0.q[0]), path, "q")
+    p_hat = _gram_schmidt(np.mean([mi @ q for mi in m], axis=0))
+    local_q = [mi.T @ p_hat for mi in m]
+    q_mean = np.mean(local_q, axis=0)
+    np.testing.assert_allclose(
+        _matrix(np.asarray(_leaf(out, path)[0])), p_hat @ q_mean.T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_factor(np.asarray(state1.q[0]), path, "q"), q_mean,
+                               rtol=1e-4, atol=1e-5)
+    for i in (0, 5):
+      np.testing.assert_allclose(
+          _matrix(np.asarray(_leaf(state1.residual, path)[i])), m[i] - p_hat @ local_q[i].T,
+          rtol=1e-4, atol=1e-5)
+  for path in ("dense.bias", "small"):
+    np.testing.assert_allclose(np.asarray(_leaf(out, path)[0]),
+                               _leaf(grads, path).mean(axis=0), rtol=1e-6, atol=1e-6)
+    assert not np.asarray(_leaf(state1.residual, path)).any()
+
+
+def test_acpsgd_matches_numpy_oracle_and_alternates():
+  run = _run("acpsgd", "1d")
+  states, outs = run["states"], run["outs"]
+  np.testing.assert_array_equal(states[1].q, states[0].q)  # step 0 sent P
+  assert not np.array_equal(states[1].p, states[0].p)
+  np.testing.assert_array_equal(states[2].p, states[1].p)  # step 1 sent Q
+  assert not np.array_equal(states[2].q, states[1].q)
+  for path in COMPRESSED:
+    residual = [np.zeros_like(_matrix(np.asarray(_leaf(PARAMS, path))), np.float64)] * 8
+    for step in (0, 1):
+      g = _np(run["grads"][step])
+      m = [_matrix(_leaf(g, path)[i]) + residual[i] for i in range(8)]
+      p = _factor(np.asarray(states[step].p[0]), path, "p")
+      q = _factor(np.asarray(states[step].q[0]), path, "q")
+      if step == 0:
+        local = [mi @ q for mi in m]
+        sent = [x @ q.T for x in local]
+        expected = np.mean(local, axis=0) @ q.T
+        next_factor = _factor(np.asarray(states[1].p[0]), path, "p")
+      else:
+        local = [mi.T @ p for mi in m]
+        sent = [p @ x.T for x in local]
+        expected = p @ np.mean(local, axis=0).T
+        next_factor = _factor(np.asarray(states[2].q[0]), path, "q")
+      np.testing.assert_allclose(_matrix(np.asarray(_leaf(outs[step], path)[0])), expected,
+                                 rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(next_factor, _gram_schmidt(np.mean(local, axis=0)),
+                                 rtol=1e-4, atol=1e-5)
+      residual = [mi - s for mi, s in zip(m, sent)]
+      np.testing.assert_allclose(
+          _matrix(np.asarray(_leaf(states[step + 1].residual, path)[3])), residual[3],
+          rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_mass_conservation(name):
+  run = _run(name, "1d")
+  for step in (0, 1):
+    before, after = run["states"][step].residual, run["states"][step + 1].residual
+    corrected = jax.tree.map(lambda g, e: np.mean(np.asarray(g, np.float64) + e, axis=0),
+                             run["grads"][step], _np(before))
+    kept = jax.tree.map(lambda o, e: np.asarray(o[0], np.float64) + np.mean(e, axis=0),
+                        run["outs"][step], _np(after))
+    chex.assert_trees_all_close(kept, corrected, rtol=1e-5, atol=1e-5)
+
+
+def test_powersgd_exact_on_rank_r_gradient():
+  run = _run("powersgd", "1d")
+  rng = np.random.default_rng(0)
+
+  def rank_r(leaf):  # M_i = A B_i^T: a column space shared by every device
+    rows, cols = _matrix(leaf).shape
+    left = rng.normal(size=(rows, RANK))
+    return np.stack([left @ rng.normal(size=(RANK, cols)) for _ in range(8)]).reshape(
+        (8,) + leaf.shape).astype(np.float32)
+
+  grads = jax.tree.map(rank_r, PARAMS)
+  out, _ = run["fn"](training.shard(grads, run["mesh"], "data"), run["states"][0])
+  for path in COMPRESSED:
+    np.testing.assert_allclose(np.asarray(_leaf(out, path)[0]),
+                               _leaf(grads, path).mean(axis=0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_zero_gradient_keeps_factors(name):
+  run = _run(name, "1d")
+  zeros = training.shard(jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), PARAMS),
+                         run["mesh"], "data")
+  state = run["states"][1]
+  out, new = run["fn"](zeros, state._replace(
+      residual=jax.tree.map(jnp.zeros_like, state.residual)))
+  assert not any(np.asarray(x).any() for x in jax.tree.leaves(out))
+  if name == "acpsgd":  # an odd step: Q is kept, then orthonormalised again
+    np.testing.assert_array_equal(new.p, state.p)
+    np.testing.assert_allclose(new.q, state.q, rtol=1e-6, atol=1e-6)
+  elif name == "powersgd":
+    np.testing.assert_array_equal(new.q, state.q)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new))
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_nan_on_one_device(name):
+  run = _run(name, "1d")
+  grads = jax.tree.map(np.array, run["grads"][1])
+  grads["dense2"][3, 0, 0] = np.nan
+  state = run["states"][1]
+  out, new = run["fn"](training.shard(grads, run["mesh"], "data"), state)
+  for device in range(8):
+    assert not all(np.isfinite(np.asarray(x[device])).all() for x in jax.tree.leaves(out))
+  chex.assert_trees_all_equal(new, state)
+
+
+# -------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("factory", [lowrank.powersgd, lowrank.acpsgd])
+@pytest.mark.parametrize("kwargs, error, argument", [
+    (dict(rank=0), ValueError, "`rank`"),
+    (dict(rank=-3), ValueError, "`rank`"),
+    (dict(rank=1.5), TypeError, "`rank`"),
+    (dict(min_compression_rate=0.5), ValueError, "`min_compression_rate`"),
+    (dict(min_compression_rate=float("nan")), ValueError, "`min_compression_rate`"),
+    (dict(axis_name=3), TypeError, "`axis_name`"),
+    (dict(axis_name=("x", 1)), TypeError, "`axis_name`"),
+    (dict(axis_name=("x", "x")), ValueError, "`axis_name`"),
+    (dict(axis_name=""), ValueError, "`axis_name`"),
+    (dict(seed=-1), ValueError, "`seed`"),
+    (dict(seed="0"), TypeError, "`seed`"),
+])
+def test_bad_arguments(factory, kwargs, error, argument):
+  args = dict(rank=2, axis_name="data") | kwargs
+  with pytest.raises(error, match=argument):
+    factory(**args)
+
+
+def test_bad_warm_start_and_mismatched_updates():
+  with pytest.raises(TypeError, match="`warm_start`"):
+    lowrank.powersgd(2, "data", warm_start=1)
+  tx = lowrank.powersgd(2, "data")
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match="shape"):
+    tx.update({**PARAMS, "small": jnp.zeros((3, 3))}, state)

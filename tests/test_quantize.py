@@ -1,0 +1,302 @@
+"""signsgd on 8 fake CPU devices, against numpy oracles."""
+
+import functools
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+import numpy as np
+import optax
+import pytest
+
+from jaxcomp import quantize
+from jaxcomp import training
+from jaxcomp import wire
+
+# 38 elements: the packed signs end with a partly filled byte.
+PARAMS = {"w": jnp.zeros((5, 7)), "b": jnp.zeros((3,))}
+N = 38
+FACTORIES = {
+    "ef": lambda axis: quantize.signsgd(axis),
+    "majority": lambda axis: quantize.signsgd(axis, majority_vote=True),
+    "plain": lambda axis: quantize.signsgd(axis, error_feedback=False),
+}
+CHAINED_IN_MULTISTEPS = "ef"
+MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
+
+
+def _axis(names):
+  return names[0] if len(names) == 1 else names
+
+
+def _per_device_normal(seed, devices=8, dtype=jnp.float32):
+  leaves, treedef = jax.tree.flatten(PARAMS)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      jax.random.normal(k, (devices,) + x.shape).astype(dtype) for k, x in zip(keys, leaves)
+  ])
+
+
+def _step_fn(tx, mesh, axis, max_traces=None):
+  """jit(shard_map(update)) over stacked per-device gradients and state."""
+  spec = PartitionSpec(axis)
+
+  def per_device(grads, state):
+    grads, state = jax.tree.map(lambda x: x[0], (grads, state))
+    out = tx.update(grads, state)
+    return jax.tree.map(lambda x: x[None], out)
+
+  if max_traces is not None:
+    per_device = chex.assert_max_traces(per_device, n=max_traces)
+  return jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+      check_vma=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name, mesh_name):
+  """Two steps of a compressor; everything the tests read, compiled once."""
+  shape, names = MESHES[mesh_name]
+  axis = _axis(names)
+  mesh = training.make_mesh(shape, names)
+  tx = FACTORIES[name](axis)
+  fn = _step_fn(tx, mesh, axis)
+  states = [training.stack_per_device(tx.init(PARAMS), mesh, axis)]
+  grads = [training.shard(_per_device_normal(s), mesh, axis) for s in (1, 2)]
+  compiled = fn.lower(grads[0], states[0]).compile()
+  outs = []
+  for g in grads:
+    out, state = fn(g, states[-1])
+    outs.append(out)
+    states.append(state)
+  return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled,
+              grads=grads, states=states, outs=outs)
+
+
+def _flat(tree):
+  """``[devices, n]`` float64, leaves in tree order (the bucket's order)."""
+  return np.concatenate(
+      [np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in jax.tree.leaves(tree)],
+      axis=1)
+
+
+def _signsgd_reference(corrected, majority_vote):
+  """The decoded mean and the per-device residuals, from per-device ``[P, n]`` inputs."""
+  signs = np.where(corrected >= 0, 1.0, -1.0)
+  scales = np.abs(corrected).mean(axis=1).astype(np.float32).astype(np.float64)
+  if majority_vote:
+    mean = scales.mean() * np.where(signs.sum(axis=0) >= 0, 1.0, -1.0)
+  else:
+    mean = (scales[:, None] * signs).mean(axis=0)
+  return mean, corrected - scales[:, None] * signs
+
+
+# ------------------------------------------------------------------ bit packing
+
+
+@hypothesis.given(
+    n=st.sampled_from([1, 7, 8, 9, N, 64]),
+    data=st.data(),
+)
+def test_pack_unpack_round_trip(n, data):
+  values = data.draw(st.lists(
+      st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-30, -1e30]), min_size=n, max_size=n))
+  x = np.asarray(values, np.float32)
+  packed = quantize.pack_signs(jnp.asarray(x))
+  assert packed.dtype == jnp.uint8 and packed.shape == (-(-n // 8),)
+  np.testing.assert_array_equal(packed, np.packbits(x >= 0, bitorder="little"))
+  np.testing.assert_array_equal(
+      quantize.unpack_signs(packed, n), np.where(x >= 0, 1.0, -1.0))
+
+
+def test_sign_of_zero_is_plus_one():
+  x = jnp.asarray([0.0, -0.0, -1.0, 2.0])
+  np.testing.assert_array_equal(quantize.signs(x), [1.0, 1.0, -1.0, 1.0])
+  np.testing.assert_array_equal(quantize.unpack_signs(quantize.pack_signs(x), 4),
+                                [1.0, 1.0, -1.0, 1.0])
+  assert int(quantize.pack_signs(x)[0]) == 0b1011
+
+
+# --------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_init_outside_mesh_and_dtypes(name):
+  state = FACTORIES[name]("data").init(PARAMS)
+  assert state.count.dtype == jnp.int32 and state.count.shape == ()
+  if name == "plain":
+    assert state.residual == ()
+  else:
+    chex.assert_trees_all_equal_shapes(state.residual, PARAMS)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.residual))
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", FACTORIES)
+def test_identical_on_every_device(name, mesh_name):
+  for out in _run(name, mesh_name)["outs"]:
+    for leaf in jax.tree.leaves(out):
+      leaf = np.asarray(leaf)
+      assert np.isfinite(leaf).all()
+      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_state_structure_stable(name):
+  run = _run(name, "1d")
+  first, last = run["states"][0], run["states"][-1]
+  chex.assert_trees_all_equal_structs(first, last)
+  chex.assert_trees_all_equal_dtypes(first, last)
+  chex.assert_trees_all_equal_shapes(first, last)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_bf16_in_bf16_out_one_trace(name):
+  chex.clear_trace_counter()
+  mesh, axis = training.make_mesh(8), "data"
+  tx = FACTORIES[name](axis)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+  state = training.stack_per_device(tx.init(params), mesh, axis)
+  step = _step_fn(tx, mesh, axis, max_traces=1)
+  for seed in (3, 4):
+    grads = training.shard(_per_device_normal(seed, dtype=jnp.bfloat16), mesh, axis)
+    out, new_state = step(grads, state)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(out))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(out))
+    chex.assert_trees_all_equal_structs(state, new_state)
+    chex.assert_trees_all_equal_dtypes(state, new_state)
+    state = new_state
+
+
+@pytest.mark.parametrize("name, optimizer", [
+    *((name, optimizer) for name in FACTORIES for optimizer in ("sgd", "adamw")),
+    (CHAINED_IN_MULTISTEPS, "multisteps"),
+])
+def test_chains_into_optimizers(name, optimizer):
+  inner = {"sgd": optax.sgd(0.05, momentum=0.9), "adamw": optax.adamw(1e-2),
+           "multisteps": optax.sgd(0.05)}[optimizer]
+  tx = optax.chain(FACTORIES[name]("data"), inner)
+  if optimizer == "multisteps":
+    tx = optax.MultiSteps(tx, every_k_schedule=2)
+  mesh = training.make_mesh(8)
+
+  def loss_fn(params, batch):
+    return sum(jnp.mean(jnp.sum((p[None] - b) ** 2, axis=tuple(range(1, b.ndim))))
+               for p, b in zip(jax.tree.leaves(params), jax.tree.leaves(batch)))
+
+  params = training.replicate(PARAMS, mesh)
+  state = training.init_state(tx, PARAMS, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
+  batch = training.shard(_per_device_normal(4, devices=16), mesh, "data")
+  losses = []
+  for _ in range(4):
+    params, state, metrics = step(params, state, batch)
+    assert np.asarray(metrics["finite"]).all()
+    losses.append(float(np.mean(metrics["loss"])))
+  assert losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------------------ bytes
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", FACTORIES)
+def test_compiled_bytes_equal_formula(name, mesh_name):
+  run = _run(name, mesh_name)
+  shape = MESHES[mesh_name][0]
+  got = wire.collective_bytes(run["compiled"])
+  assert got.by_kind == wire.expected_bytes(run["tx"], PARAMS, shape).by_kind
+  # One all-gather over the whole mesh of the packed signs and the f32 scale.
+  assert [(op.kind, op.group_size, op.buffer_bytes) for op in got.ops] == [
+      ("all-gather", 8, 8 * (-(-N // 8) + 4))]
+  assert got.total == 7 * (-(-N // 8) + 4)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_compiled_bytes_on_smaller_rings(devices):
+  mesh = training.make_mesh(devices)
+  tx = quantize.signsgd("data")
+  state = training.stack_per_device(tx.init(PARAMS), mesh, "data")
+  grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
+  compiled = _step_fn(tx, mesh, "data").lower(grads, state).compile()
+  got = wire.collective_bytes(compiled)
+  assert got.by_kind == wire.expected_bytes(tx, PARAMS, devices).by_kind
+  assert got.total == (devices - 1) * (-(-N // 8) + 4)
+
+
+# -------------------------------------------------------------------- semantics
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_matches_numpy_oracle(name):
+  run = _run(name, "1d")
+  residual = np.zeros((8, N))
+  for step in (0, 1):
+    corrected = _flat(run["grads"][step]) + (0 if name == "plain" else residual)
+    mean, residual = _signsgd_reference(corrected, name == "majority")
+    np.testing.assert_allclose(_flat(run["outs"][step])[0], mean, rtol=1e-6, atol=1e-7)
+    if name != "plain":
+      np.testing.assert_allclose(_flat(run["states"][step + 1].residual), residual,
+                                 rtol=1e-5, atol=1e-6)
+
+
+def test_majority_vote_ties_and_zeros():
+  run = _run("majority", "1d")
+  g = np.zeros((8, N), np.float32)  # leaves in tree order: "b" (3), then "w" (5 x 7)
+  g[:4, :10], g[4:, :10] = 1.0, -1.0     # four +1 against four -1: a tie, +1
+  g[:3, 10:20], g[3:, 10:20] = 2.0, -0.5  # three +1 against five -1: -1
+  g[0, 30] = -3.0                         # one -1 against seven zeros (+1): +1
+  grads = {"b": g[:, :3], "w": g[:, 3:].reshape(8, 5, 7)}
+  out, _ = run["fn"](training.shard(grads, run["mesh"], "data"), run["states"][0])
+  got = _flat(out)[0]
+  mean, _ = _signsgd_reference(g.astype(np.float64), True)
+  np.testing.assert_allclose(got, mean, rtol=1e-6)
+  scale = np.abs(g).mean(axis=1).mean()
+  expected_signs = np.ones(N)
+  expected_signs[10:20] = -1.0
+  np.testing.assert_allclose(got, scale * expected_signs, rtol=1e-6)
+
+
+def test_mass_conservation():
+  run = _run("ef", "1d")
+  for step in (0, 1):
+    corrected = _flat(run["grads"][step]) + _flat(run["states"][step].residual)
+    kept = _flat(run["outs"][step])[0] + _flat(run["states"][step + 1].residual).mean(axis=0)
+    np.testing.assert_allclose(kept, corrected.mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_nan_on_one_device(name):
+  run = _run(name, "1d")
+  grads = jax.tree.map(np.array, run["grads"][1])
+  grads["w"][6, 1, 2] = np.nan
+  state = run["states"][1]
+  out, new = run["fn"](training.shard(grads, run["mesh"], "data"), state)
+  for device in range(8):
+    assert not all(np.isfinite(np.asarray(x[device])).all() for x in jax.tree.leaves(out))
+  chex.assert_trees_all_equal(new, state)
+
+
+# -------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("kwargs, error, argument", [
+    (dict(axis_name=3), TypeError, "`axis_name`"),
+    (dict(axis_name=("x", 1)), TypeError, "`axis_name`"),
+    (dict(axis_name=("x", "x")), ValueError, "`axis_name`"),
+    (dict(axis_name=("x", "y", "z")), ValueError, "`axis_name`"),
+    (dict(error_feedback=1), TypeError, "`error_feedback`"),
+    (dict(majority_vote="yes"), TypeError, "`majority_vote`"),
+])
+def test_bad_arguments(kwargs, error, argument):
+  with pytest.raises(error, match=argument):
+    quantize.signsgd(**(dict(axis_name="data") | kwargs))
+
+
+def test_mismatched_updates():
+  tx = quantize.signsgd("data")
+  with pytest.raises(ValueError, match="shape"):
+    tx.update({"w": jnp.zeros((5, 7)), "b": jnp.zeros((4,))}, tx.init(PARAMS))
