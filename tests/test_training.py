@@ -1,0 +1,113 @@
+"""The data-parallel step: 8 devices with allreduce equal one device with the full batch."""
+
+import chex
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import training
+
+
+class _MLP(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(16, 32, rngs=rngs)
+    self.out = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.tanh(self.hidden(x)))
+
+
+def _model_and_loss():
+  graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+  params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, nnx.State(params))
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  return params, loss_fn
+
+
+def _batches(steps, batch_size=64):
+  rng = np.random.default_rng(0)
+  return [
+      {"x": rng.standard_normal((batch_size, 16)).astype(np.float32),
+       "y": rng.integers(0, 4, batch_size).astype(np.int32)}
+      for _ in range(steps)
+  ]
+
+
+def test_twenty_steps_on_eight_devices_match_one_device_full_batch():
+  params, loss_fn = _model_and_loss()
+  batches = _batches(20)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+
+  ref_params, ref_state = params, optimizer.init(params)
+
+  @jax.jit
+  def ref_step(p, s, b):
+    grads = jax.grad(loss_fn)(p, b)
+    updates, s = optimizer.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  for b in batches:
+    ref_params, ref_state = ref_step(ref_params, ref_state, b)
+
+  mesh = training.make_mesh(8)
+  tx = optax.chain(jaxcomp.allreduce("data"), optimizer)
+  dp_params = training.replicate(params, mesh)
+  dp_state = training.init_state(tx, params, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data")
+  for b in batches:
+    dp_params, dp_state, metrics = step(dp_params, dp_state, training.shard(b, mesh, "data"))
+  assert metrics["loss"].shape == (8,)
+  chex.assert_trees_all_close(dp_params, ref_params, rtol=1e-5, atol=1e-5)
+
+
+def test_pmap_step_matches_shard_map_step():
+  params, loss_fn = _model_and_loss()
+  batches = _batches(3)
+  tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1))
+  mesh = training.make_mesh(8)
+
+  p_sm = training.replicate(params, mesh)
+  s_sm = training.init_state(tx, params, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
+
+  p_pm = training.stack_per_device(params, mesh, "data")
+  s_pm = training.init_state(tx, params, mesh, "data")
+  pstep = training.make_pmap_step(loss_fn, tx, "data")
+  for b in batches:
+    p_sm, s_sm, _ = step(p_sm, s_sm, training.shard(b, mesh, "data"))
+    local = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), b)
+    p_pm, s_pm, _ = pstep(p_pm, s_pm, local)
+  chex.assert_trees_all_close(
+      jax.tree.map(lambda x: x[3], p_pm), p_sm, rtol=1e-6, atol=1e-6)
+
+
+def test_a_nan_on_one_device_skips_the_step_everywhere():
+  params, loss_fn = _model_and_loss()
+  mesh = training.make_mesh(8)
+  tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1, momentum=0.9))
+  p0 = training.replicate(params, mesh)
+  s0 = training.init_state(tx, params, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
+  batch = _batches(1)[0]
+  batch["x"][5] = np.nan  # row 5 lives on device 0
+  p1, s1, metrics = step(p0, s0, training.shard(batch, mesh, "data"))
+  assert not np.any(np.asarray(metrics["finite"]))
+  chex.assert_trees_all_equal(p1, p0)
+  chex.assert_trees_all_equal(s1, s0)
+
+
+def test_make_mesh_checks_its_arguments():
+  with pytest.raises(ValueError, match="needs 16 devices"):
+    training.make_mesh(16)
+  with pytest.raises(ValueError, match="differ in length"):
+    training.make_mesh((2, 4), ("data",))

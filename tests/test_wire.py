@@ -1,0 +1,107 @@
+"""Reading bytes off compiled programs and off hand-written HLO."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import training
+from jaxcomp import wire
+
+_ASYNC_HLO = """HloModule jit_step, entry_computation_layout={(f32[64]{0})->f32[64]{0}}, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%branch_p (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %ar.p = f32[64]{0} all-reduce(%p), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%add
+}
+
+%branch_q (q: f32[64]) -> f32[64] {
+  %q = f32[64]{0} parameter(0)
+  ROOT %ar.q = f32[16]{0} all-reduce(%q), channel_id=4, replica_groups=[1,4]<=[4], to_apply=%add
+}
+
+ENTRY %main (x: f32[64], pred: pred[]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %pred = pred[] parameter(1)
+  %ags = (f32[16]{0}, f32[64]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %agd = f32[64]{0} all-gather-done(%ags)
+  %cps = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%agd), channel_id=2, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  %cpd = f32[64]{0} collective-permute-done(%cps)
+  %ars = bf16[8]{0} all-reduce-start(%x), channel_id=5, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ard = bf16[8]{0} all-reduce-done(%ars)
+  %a2a = (u16[1,8]{1,0}, u16[1,8]{1,0}, u16[1,8]{1,0}, u16[1,8]{1,0}) all-to-all(%x), channel_id=6, replica_groups={}
+  ROOT %c = f32[64]{0} conditional(%pred, %cpd, %cpd), branch_computations={%branch_p, %branch_q}
+}
+"""
+
+
+def test_hand_written_hlo_async_tuples_groups_and_branches():
+  sent = wire.collective_bytes(_ASYNC_HLO)
+  kinds = {op.name: op for op in sent.ops}
+  # all-gather-start: (operand, result); the gathered result is 256 bytes.
+  assert kinds["ags"].bytes == Fraction(3 * 256, 4)
+  # collective-permute-start: (operand, result, context...); sends its operand.
+  assert kinds["cps"].bytes == 256
+  # bf16 all-reduce over groups of two.
+  assert kinds["ars"].group_size == 2 and kinds["ars"].bytes == Fraction(2 * 1 * 16, 2)
+  # replica_groups={} is every device; tuple results add up.
+  assert kinds["a2a"].group_size == 4 and kinds["a2a"].bytes == Fraction(3 * 64, 4)
+  # Each branch of a two-way conditional counts half.
+  assert kinds["ar.p"].weight == Fraction(1, 2) and kinds["ar.q"].weight == Fraction(1, 2)
+  assert sent.by_kind["all-reduce"] == 16 + Fraction(2 * 3 * 256, 4) / 2 + Fraction(2 * 3 * 64, 4) / 2
+  assert sent.total == sum(sent.by_kind.values())
+
+
+def test_compiled_collectives_use_the_ring_formulas():
+  mesh = training.make_mesh(8)
+  n = 64
+
+  def per_device(x):
+    x = x[0]
+    parts = [
+        lax.psum(x, "data"),
+        lax.all_gather(x, "data", tiled=True)[:n],
+        jnp.tile(lax.psum_scatter(x, "data", tiled=True), 8),
+        lax.ppermute(x, "data", [(i, (i + 1) % 8) for i in range(8)]),
+        lax.all_to_all(x.reshape(8, -1), "data", 0, 0, tiled=True).reshape(-1),
+    ]
+    return sum(parts)[None]
+
+  fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
+                             out_specs=P("data"), check_vma=False))
+  sent = wire.collective_bytes(fn.lower(jnp.ones((8, n))).compile())
+  s = 4 * n
+  assert sent.by_kind == {
+      "all-reduce": Fraction(2 * 7 * s, 8),
+      "all-gather": Fraction(7 * 8 * s, 8),
+      "reduce-scatter": Fraction(7 * s, 8),
+      "collective-permute": Fraction(s),
+      "all-to-all": Fraction(7 * s, 8),
+  }
+
+
+def test_expected_bytes_needs_a_compressor():
+  with pytest.raises(TypeError, match="`tx` must be a jaxcomp compressor"):
+    wire.expected_bytes(optax.sgd(0.1), {}, 8)
+  with pytest.raises(TypeError, match="`compiled`"):
+    wire.collective_bytes(3)
+
+
+def test_expected_bytes_for_a_pair_needs_the_mesh_shape():
+  tx = jaxcomp.allreduce(("x", "y"))
+  with pytest.raises(ValueError, match=r"mesh shape \(rows, cols\)"):
+    wire.expected_bytes(tx, {"w": jnp.ones(8)}, 8)
+  assert wire.expected_bytes(tx, {"w": jnp.ones(8)}, (2, 4)).total == (
+      wire.expected_bytes(tx, {"w": jnp.ones(8)}, {"x": 2, "y": 4}).total
+  )
