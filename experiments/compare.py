@@ -1,0 +1,661 @@
+"""Trains one model with every compressor and says what each costs.
+
+  python -m experiments.compare            # --quick on digits: all nine methods
+  python -m experiments.compare --task text --methods allreduce,gtopk
+  python -m experiments.compare --mesh 2x4 # the same on a 2D mesh (torus all-reduce)
+
+Every method trains the same model from the same initialisation on the same
+batches, data-parallel over fake CPU devices through :mod:`jaxcomp.training`
+(each device on its own shard of the batch), for the same number of steps
+with the same learning-rate schedule. Written to ``--out``:
+
+* ``compare.json``: the configuration and, per method, the final test
+  accuracy and loss, ``bytes_per_step`` (what one device sends per step, read
+  from the compiled training step by :func:`jaxcomp.wire.collective_bytes`),
+  ``compression_ratio`` (``4 n`` over the bytes of one device's compressed
+  message), the measured ``step_time_s`` and the cost model's
+  ``predicted_step_s``, and the evaluation history;
+* ``compare.md``: the same as a table, with each method's ratio to dense;
+* ``accuracy_vs_step.png`` (``loss_vs_step.png`` for text) and
+  ``accuracy_vs_bytes.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments import data
+from experiments import models
+from jaxcomp import costmodel
+from jaxcomp import training
+from jaxcomp import wire
+
+ALL_METHODS = tuple(costmodel.METHODS)
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+# Per task: the model, the batch, the steps, the schedule, and per method the
+# compressor's configuration and the optimizer after it. The digits settings
+# were chosen on the validation split (`--evaluate-on validation`), never on
+# the test split: with plain SGD after them top-k and gTop-k at density 0.01
+# reached 96.2% and 95.1% against dense's 97.6%, random-k at 0.01 94.8%; with
+# momentum 0.9, top-k 97.6%, gTop-k 96.9%; random-k at 0.05 with momentum
+# 0.5 97.6%; signSGD 95.5% with plain SGD, 9.7% (diverged) with momentum 0.9
+# and 96.5% with 0.5. The text settings copy them, untuned.
+TASKS: dict[str, dict[str, Any]] = {
+    "digits": {
+        "batch_per_device": 32,
+        "quick_steps": 600,
+        "full_steps": 2000,
+        "eval_every": 50,
+        "peak_lr": 0.1,
+        "warmup_fraction": 0.05,
+        "methods": {
+            "allreduce": {"compressor": {}, "momentum": 0.9},
+            "cast": {"compressor": {"dtype": "bfloat16"}, "momentum": 0.9},
+            "topk": {"compressor": {"density": 0.01}, "momentum": 0.9},
+            "gtopk": {"compressor": {"density": 0.01}, "momentum": 0.9},
+            "randomk": {"compressor": {"density": 0.05}, "momentum": 0.5},
+            "dgc": {"compressor": {"density": 0.001, "momentum": 0.9, "warmup_steps": 0,
+                                "sparse_leaves": "all"}, "momentum": 0.0},
+            "signsgd": {"compressor": {}, "momentum": 0.5},
+            "powersgd": {"compressor": {"rank": 2}, "momentum": 0.9},
+            "acpsgd": {"compressor": {"rank": 2}, "momentum": 0.9},
+        },
+    },
+    "text": {
+        "batch_per_device": 16,
+        "context": 64,
+        "quick_steps": 200,
+        "full_steps": 3000,
+        "eval_every": 50,
+        "peak_lr": 0.3,
+        "warmup_fraction": 0.05,
+        "methods": {
+            "allreduce": {"compressor": {}, "momentum": 0.9},
+            "cast": {"compressor": {"dtype": "bfloat16"}, "momentum": 0.9},
+            "topk": {"compressor": {"density": 0.01}, "momentum": 0.9},
+            "gtopk": {"compressor": {"density": 0.01}, "momentum": 0.9},
+            "randomk": {"compressor": {"density": 0.05}, "momentum": 0.5},
+            "dgc": {"compressor": {"density": 0.001, "momentum": 0.9, "warmup_steps": 0},
+                    "momentum": 0.0},
+            "signsgd": {"compressor": {}, "momentum": 0.5},
+            "powersgd": {"compressor": {"rank": 4}, "momentum": 0.9},
+            "acpsgd": {"compressor": {"rank": 4}, "momentum": 0.9},
+        },
+    },
+}
+
+GOAL_DENSE_ACCURACY = 0.95
+GOAL_POINTS_FROM_DENSE = 2.0
+GOAL_DGC_DENSITY = 0.001
+GOAL_DGC_RATIO = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One run of the comparison."""
+  task: str = "digits"
+  methods: tuple[str, ...] = ALL_METHODS
+  steps: int = 600
+  devices: int = 8
+  mesh: Optional[tuple[int, int]] = None
+  eval_every: int = 50
+  evaluate_on: str = "test"
+  bandwidth_gbit: float = 1.0
+  latency_us: float = 50.0
+  seed: int = 0
+  out: str = str(RESULTS_DIR)
+  progress: bool = True
+  mode: str = "quick"
+
+  @property
+  def axis_name(self):
+    return "data" if self.mesh is None else ("x", "y")
+
+  @property
+  def num_devices(self):
+    """What the wire formulas and the cost model take: P, or (rows, cols)."""
+    return self.devices if self.mesh is None else tuple(self.mesh)
+
+
+# --------------------------------------------------------------- the pieces
+
+
+def _schedule(task: dict, steps: int) -> optax.Schedule:
+  warmup = max(1, int(task["warmup_fraction"] * steps))
+  return optax.warmup_cosine_decay_schedule(
+      0.0, task["peak_lr"], warmup_steps=warmup, decay_steps=steps
+  )
+
+
+def _chain(name: str, axis_name, method: dict, schedule) -> tuple[Any, optax.GradientTransformation]:
+  compressor = costmodel.build(name, axis_name, **method["compressor"])
+  momentum = method["momentum"] or None
+  return compressor, optax.chain(compressor, optax.sgd(schedule, momentum=momentum))
+
+
+def _describe(name: str, method: dict) -> dict:
+  """The full configuration of a method, with the defaults it did not override."""
+  return {
+      "compressor": {**costmodel.METHODS[name].defaults, **method["compressor"]},
+      "optimizer": (
+          f"sgd(momentum={method['momentum']})" if method["momentum"] else "sgd (no momentum)"
+      ),
+  }
+
+
+def message_bytes(name: str, compressor_config: dict, params) -> float:
+  """Bytes of one device's compressed message per step, from the method's own formula.
+
+  Its wire formula at P = 2, where each device sends exactly its message to
+  the one other device: an all-reduce of a buffer of ``s`` bytes sends ``s``,
+  an all-gather sends the device's own part, one butterfly round sends its
+  ``k`` values and indices, and ACP-SGD's alternation averages its P and Q
+  messages. Leaves a method sends dense count in full.
+  """
+  tx = costmodel.build(name, "data", **compressor_config)
+  return float(wire.expected_bytes(tx, params, 2).total)
+
+
+def _task_data(task_name: str, evaluate_on: str):
+  if task_name == "digits":
+    return data.digits(evaluate_on)
+  return data.text(evaluate_on)
+
+
+def _model(task_name: str, task: dict, seed: int) -> models.Model:
+  if task_name == "digits":
+    return models.digits_cnn(seed)
+  return models.char_transformer(seed, context=task["context"])
+
+
+def _batches(task_name: str, task: dict, dataset, global_batch: int, seed: int):
+  if task_name == "digits":
+    return data.image_batches(dataset.train, global_batch, seed)
+  return data.text_batches(dataset.train, global_batch, task["context"], seed)
+
+
+def _eval_arrays(task_name: str, task: dict, dataset):
+  if task_name == "digits":
+    return jnp.asarray(dataset.eval.x), jnp.asarray(dataset.eval.y)
+  x, y = data.text_eval_windows(dataset.eval, task["context"])
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def _measure_compute_s(name, method, model, schedule, local_batch, repeats: int = 10) -> float:
+  """Median seconds of the method's whole step (forward, backward, compression) on one device.
+
+  The same step on a mesh of one device: its collectives run over a group of
+  one, so what is timed is the computation a real worker would do between
+  exchanges, without the 2 cores being shared by the fake devices.
+  """
+  mesh = training.make_mesh(1)
+  _, tx = _chain(name, "data", method, schedule)
+  params = training.replicate(model.params, mesh)
+  state = training.init_state(tx, params, mesh, "data")
+  batch = training.shard(local_batch, mesh, "data")
+  step = training.make_step(model.loss, tx, mesh, "data")
+  params, state, metrics = step(params, state, batch)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, state, metrics = step(params, state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+# ------------------------------------------------------------------ training
+
+
+def train_method(name: str, config: Config, task: dict, model: models.Model, dataset,
+                 mesh, schedule, eval_x, eval_y) -> dict:
+  """Trains ``model`` with one compressor; returns its row of ``compare.json``."""
+  method = task["methods"][name]
+  compressor, tx = _chain(name, config.axis_name, method, schedule)
+  global_batch = task["batch_per_device"] * config.devices
+  batches = _batches(config.task, task, dataset, global_batch, config.seed)
+  params = training.replicate(model.params, mesh)
+  opt_state = training.init_state(tx, params, mesh, config.axis_name)
+  step = training.make_step(model.loss, tx, mesh, config.axis_name)
+  host_batch = next(batches)
+  local_batch = jax.tree.map(lambda x: x[: task["batch_per_device"]], host_batch)
+  first = training.shard(host_batch, mesh, config.axis_name)
+  compiled = step.lower(params, opt_state, first).compile()
+  measured = wire.collective_bytes(compiled)
+  expected = wire.expected_bytes(compressor, model.params, config.num_devices)
+  evaluate = jax.jit(model.evaluate)
+
+  history = []
+  times = []
+  skipped = 0
+  batch = first
+  progress = _progress(name, config)
+  for i in range(config.steps):
+    start = time.perf_counter()
+    params, opt_state, metrics = compiled(params, opt_state, batch)
+    loss = jax.block_until_ready(metrics["loss"])
+    times.append(time.perf_counter() - start)
+    skipped += int(not bool(metrics["finite"][0]))
+    if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
+      eval_loss, eval_accuracy = evaluate(params, eval_x, eval_y)
+      history.append({
+          "step": i + 1, "train_loss": float(np.mean(loss)),
+          "eval_loss": float(eval_loss), "eval_accuracy": float(eval_accuracy),
+      })
+    progress.update(1)
+    if i % 10 == 0:
+      progress.set_postfix(loss=f"{float(np.mean(loss)):.3f}")
+    if i + 1 < config.steps:
+      batch = training.shard(next(batches), mesh, config.axis_name)
+  progress.close()
+
+  compute_s = _measure_compute_s(name, method, model, schedule, local_batch)
+  n = models.num_params(model.params)
+  message = message_bytes(name, method["compressor"], model.params)
+  exchange = costmodel.exchange_time(
+      compressor.wire_bytes(model.params, config.num_devices),
+      config.bandwidth_gbit, config.latency_us,
+  )
+  predicted = costmodel.predict(
+      compressor, model.params, config.num_devices, config.bandwidth_gbit,
+      config.latency_us, compute_s=compute_s,
+  )
+  final = history[-1]
+  return {
+      "final_accuracy": final["eval_accuracy"],
+      "final_loss": final["eval_loss"],
+      "bits_per_char": final["eval_loss"] / math.log(2) if config.task == "text" else None,
+      "bytes_per_step": float(measured.total),
+      "bytes_per_step_formula": float(expected.total),
+      "bytes_by_kind": {k: float(v) for k, v in measured.by_kind.items()},
+      "message_bytes": message,
+      "compression_ratio": 4 * n / message,
+      # The second half: the first steps of a process run slower (thread pools
+      # and caches warming up), which would bias whichever method runs first.
+      "step_time_s": statistics.median(times[len(times) // 2:]),
+      "compute_s": compute_s,
+      "exchange_s": exchange,
+      "predicted_step_s": predicted,
+      "skipped_steps": skipped,
+      "configuration": _describe(name, method),
+      "history": history,
+  }
+
+
+def _progress(name: str, config: Config):
+  from tqdm import auto as tqdm_auto
+
+  return tqdm_auto.tqdm(
+      total=config.steps, desc=f"{name:>9s}", unit="step", disable=not config.progress,
+      file=sys.stderr, dynamic_ncols=True,
+  )
+
+
+# -------------------------------------------------------------------- a run
+
+
+def _ensure_devices(count: int) -> None:
+  """Asks for ``count`` fake CPU devices (only possible before JAX starts)."""
+  try:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    pass  # the backend is up already (a test session): use what it has
+  if len(jax.devices()) < count:
+    raise SystemExit(
+        f"--devices {count} needs {count} devices, JAX has {len(jax.devices())}"
+    )
+
+
+def run(config: Config) -> dict:
+  """Trains every method of ``config`` and writes the results; returns ``compare.json``'s dict."""
+  _ensure_devices(config.devices)
+  started = time.perf_counter()
+  cpu_started = time.process_time()
+  load_started = os.getloadavg()[0]
+  task = TASKS[config.task]
+  dataset = _task_data(config.task, config.evaluate_on)
+  model = _model(config.task, task, config.seed)
+  schedule = _schedule(task, config.steps)
+  if config.mesh is None:
+    mesh = training.make_mesh(config.devices)
+  else:
+    mesh = training.make_mesh(config.mesh, config.axis_name)
+  eval_x, eval_y = _eval_arrays(config.task, task, dataset)
+  results, missing = {}, {}
+  for name in config.methods:
+    try:
+      results[name] = train_method(
+          name, config, task, model, dataset, mesh, schedule, eval_x, eval_y
+      )
+    except ImportError as e:
+      missing[name] = f"{type(e).__name__}: {e}"
+      print(f"{name}: not available ({e})", file=sys.stderr)
+  report = {
+      "config": {
+          "task": config.task,
+          "mode": config.mode,
+          "model": model.description,
+          "num_params": models.num_params(model.params),
+          "steps": config.steps,
+          "devices": config.devices,
+          "mesh": list(config.mesh) if config.mesh else None,
+          "axis_name": list(config.axis_name) if config.mesh else config.axis_name,
+          "batch_per_device": task["batch_per_device"],
+          "global_batch": task["batch_per_device"] * config.devices,
+          "schedule": (
+              f"linear warm-up over {max(1, int(task['warmup_fraction'] * config.steps))}"
+              f" steps to {task['peak_lr']}, cosine decay to 0 at step {config.steps}"
+          ),
+          "evaluated_on": dataset.eval_name,
+          "train_examples": len(dataset.train),
+          "eval_examples": len(dataset.eval),
+          "bandwidth_gbit": config.bandwidth_gbit,
+          "latency_us": config.latency_us,
+          "seed": config.seed,
+          "missing_methods": missing,
+          "wall_time_s": time.perf_counter() - started,
+          "process_cpu_s": time.process_time() - cpu_started,
+          "cpu_count": os.cpu_count(),
+          "load_average_1min": [load_started, os.getloadavg()[0]],
+          "jax": jax.__version__,
+          "optax": optax.__version__,
+          "python": platform.python_version(),
+      },
+      "methods": results,
+  }
+  report["goals"] = check_goals(report) if config.task == "digits" else []
+  write(report, pathlib.Path(config.out))
+  return report
+
+
+# ----------------------------------------------------------------- outputs
+
+
+def check_goals(report: dict) -> list[dict]:
+  """The issue's goals for the digits run, each with whether it is met."""
+  methods = report["methods"]
+  goals = []
+  if "allreduce" not in methods:
+    return goals
+  dense = methods["allreduce"]["final_accuracy"]
+  goals.append({
+      "goal": f"allreduce {report['config']['evaluated_on']} accuracy >= {GOAL_DENSE_ACCURACY}",
+      "met": dense >= GOAL_DENSE_ACCURACY, "value": dense,
+  })
+  for name, row in methods.items():
+    if name == "allreduce":
+      continue
+    gap = 100 * (dense - row["final_accuracy"])
+    goals.append({
+        "goal": f"{name} within {GOAL_POINTS_FROM_DENSE} points of allreduce",
+        "met": gap <= GOAL_POINTS_FROM_DENSE, "value": -gap,
+    })
+  if "dgc" in methods:
+    row = methods["dgc"]
+    density = row["configuration"]["compressor"]["density"]
+    goals.append({
+        "goal": f"dgc density <= {GOAL_DGC_DENSITY} after warm-up",
+        "met": density <= GOAL_DGC_DENSITY, "value": density,
+    })
+    goals.append({
+        "goal": f"dgc compression_ratio >= {GOAL_DGC_RATIO:g}",
+        "met": row["compression_ratio"] >= GOAL_DGC_RATIO, "value": row["compression_ratio"],
+    })
+  return goals
+
+
+def _format_config(configuration: dict) -> str:
+  compressor = ", ".join(f"{k}={v}" for k, v in configuration["compressor"].items())
+  return f"{compressor or '-'}; then {configuration['optimizer']}"
+
+
+def _ratio(value: float, dense: Optional[float]) -> str:
+  return f"{value / dense:.3g}x" if dense else "-"
+
+
+def markdown(report: dict) -> str:
+  """``compare.md``: the results as a table, with each method's ratio to dense."""
+  config, methods = report["config"], report["methods"]
+  dense = methods.get("allreduce")
+  text = config["task"] == "text"
+  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  lines = [
+      f"# Compressor comparison: {config['task']} ({config['mode']})",
+      "",
+      f"{config['model']}, {config['num_params']:,} parameters; {config['steps']} steps of"
+      f" {config['global_batch']} examples ({config['batch_per_device']} per device) on"
+      f" {config['devices']} fake CPU devices"
+      + (f" as a {config['mesh'][0]}x{config['mesh'][1]} mesh (2D torus)" if config["mesh"] else "")
+      + f"; learning rate: {config['schedule']}, the same for every method."
+      f" Evaluated on the {config['evaluated_on']} split ({config['eval_examples']} examples)."
+      f" Wall time of the run: {config['wall_time_s']:.0f} s on {config['cpu_count']} cores"
+      f" ({config['process_cpu_s']:.0f} s of CPU time; 1-minute load average"
+      f" {config['load_average_1min'][0]:.1f} at the start and"
+      f" {config['load_average_1min'][1]:.1f} at the end: above the core count, other jobs"
+      " shared the cores).",
+      "",
+      f"| method | configuration | {metric} | vs dense | final loss | bytes/step"
+      " | vs dense | compression ratio | step time (s) | vs dense | predicted step (s) | vs dense |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, row in methods.items():
+    if text:
+      value = f"{row['bits_per_char']:.3f}"
+      delta = f"{row['bits_per_char'] - dense['bits_per_char']:+.3f}" if dense else "-"
+    else:
+      value = f"{row['final_accuracy']:.4f}"
+      delta = f"{100 * (row['final_accuracy'] - dense['final_accuracy']):+.1f} pt" if dense else "-"
+    lines.append(
+        f"| {name} | {_format_config(row['configuration'])} | {value} | {delta}"
+        f" | {row['final_loss']:.4f} | {row['bytes_per_step']:,.0f}"
+        f" | {_ratio(row['bytes_per_step'], dense and dense['bytes_per_step'])}"
+        f" | {row['compression_ratio']:.1f}"
+        f" | {row['step_time_s']:.4f} | {_ratio(row['step_time_s'], dense and dense['step_time_s'])}"
+        f" | {row['predicted_step_s']:.4f}"
+        f" | {_ratio(row['predicted_step_s'], dense and dense['predicted_step_s'])} |"
+    )
+  lines += [
+      "",
+      "How to read it:",
+      "",
+      "- **bytes/step**: what one device sends per step, read from the compiled training"
+      " step's HLO by `jaxcomp.wire.collective_bytes` (ring formulas: all-reduce"
+      " 2(P-1)/P of the buffer, all-gather (P-1)/P of the gathered buffer, a permute"
+      " its operand). It equals each method's wire formula"
+      " (`bytes_per_step_formula` in compare.json).",
+      "- **compression ratio**: 4n (the dense f32 gradient, n parameters) divided by the"
+      " bytes of one device's compressed message per step: for the sparse methods its"
+      " values and int32 indices (8 bytes per kept element; random-k sends values only,"
+      " its indices come from a shared seed), plus every leaf the method sends dense;"
+      " for the low-rank methods the factors (ACP-SGD: the mean of its P and Q steps);"
+      " for signSGD the packed bits. It is computed from the method's configuration by"
+      " its own wire formula at P = 2, where a device sends exactly its message once.",
+      "- **step time**: the median wall time of one step over the second half of the"
+      " run, 8 fake devices sharing the CPU cores, so collectives cost memory copies, not"
+      " a network; it measures compression compute here, not communication.",
+      "- **dgc** runs with momentum correction and momentum-factor masking inside"
+      " (`momentum=0.9`, so plain SGD after it), every leaf in the sparse bucket"
+      " (`sparse_leaves=\"all\"`) and no density warm-up (`warmup_steps=0`): jaxcomp's"
+      " DGC keeps one static payload, the warm-up's largest capacity (25%), for the whole"
+      " run, so a density warm-up would send a quarter of the gradient on every step."
+      " Its learning-rate warm-up is every method's.",
+      f"- **predicted step**: `jaxcomp.costmodel`: the method's step measured on one"
+      f" device (forward, backward and compression) plus the alpha-beta time of its"
+      f" collectives for P = {config['devices']} at {config['bandwidth_gbit']:g} Gbit/s"
+      f" and {config['latency_us']:g} us per message.",
+  ]
+  if config["missing_methods"]:
+    lines += ["", "Not run (module not available): " + ", ".join(
+        f"`{name}` ({why})" for name, why in config["missing_methods"].items())]
+  if report["goals"]:
+    lines += ["", "## Goals", "", "| goal | value | met |", "|---|---|---|"]
+    for goal in report["goals"]:
+      lines.append(f"| {goal['goal']} | {goal['value']:.4g} | {'yes' if goal['met'] else 'NO'} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
+  """The evaluation curve of every method, and final quality against bytes per step."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  methods = report["methods"]
+  text = report["config"]["task"] == "text"
+  key, label = ("eval_loss", "test loss (nats/char)") if text else ("eval_accuracy", "test accuracy")
+  if report["config"]["evaluated_on"] != "test":
+    label = label.replace("test", report["config"]["evaluated_on"])
+  paths = []
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, row in methods.items():
+    ax.plot([h["step"] for h in row["history"]], [h[key] for h in row["history"]], label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel(label)
+  if not text:
+    ax.set_ylim(0.7, 1.0)
+  ax.grid(alpha=0.3)
+  ax.legend(ncol=3, fontsize=8)
+  ax.set_title(f"{report['config']['task']}: {label} against step")
+  fig.tight_layout()
+  paths.append(out / ("loss_vs_step.png" if text else "accuracy_vs_step.png"))
+  fig.savefig(paths[-1], dpi=120)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, row in methods.items():
+    value = row["final_loss"] if text else row["final_accuracy"]
+    ax.scatter(row["bytes_per_step"], value)
+    ax.annotate(name, (row["bytes_per_step"], value), textcoords="offset points",
+                xytext=(4, 4), fontsize=8)
+  ax.set_xscale("log")
+  ax.set_xlabel("bytes sent per device per step (log scale)")
+  ax.set_ylabel("final " + label)
+  ax.grid(alpha=0.3, which="both")
+  ax.set_title(f"{report['config']['task']}: final {label} against bytes per step")
+  fig.tight_layout()
+  paths.append(out / ("loss_vs_bytes.png" if text else "accuracy_vs_bytes.png"))
+  fig.savefig(paths[-1], dpi=120)
+  plt.close(fig)
+  return paths
+
+
+def write(report: dict, out: pathlib.Path) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
+  (out / "compare.md").write_text(markdown(report))
+  if report["methods"]:
+    plot(report, out)
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def _methods(text: str) -> tuple[str, ...]:
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  unknown = [n for n in names if n not in ALL_METHODS]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(
+        f"methods must be a comma-separated list of {', '.join(ALL_METHODS)}; got {text!r}"
+    )
+  return names
+
+
+def _mesh(text: str) -> tuple[int, int]:
+  try:
+    rows, cols = (int(v) for v in text.lower().split("x"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--mesh must be ROWSxCOLS, e.g. 2x4; got {text!r}") from None
+  if rows < 1 or cols < 1:
+    raise argparse.ArgumentTypeError(f"--mesh sizes must be >= 1; got {text!r}")
+  return rows, cols
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m experiments.compare",
+      description=(
+          "Train the same model with every jaxcomp compressor, data-parallel on fake"
+          " CPU devices, and write compare.json, compare.md and plots."
+      ),
+  )
+  mode = p.add_mutually_exclusive_group()
+  mode.add_argument("--quick", action="store_true",
+                    help="the default: digits 600 steps, text 300 (<= 5 min on 2 cores for digits)")
+  mode.add_argument("--full", action="store_true", help="longer runs: digits 2000 steps, text 3000")
+  p.add_argument("--task", choices=sorted(TASKS), default="digits",
+                 help="digits: a CNN on scikit-learn's digits (default); text: a"
+                 " char-level transformer on Python standard-library sources")
+  p.add_argument("--methods", type=_methods, default=ALL_METHODS,
+                 help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)")
+  p.add_argument("--steps", type=_positive, help="training steps (overrides --quick/--full)")
+  p.add_argument("--devices", type=_positive, default=8,
+                 help="fake CPU devices on one data axis (default 8)")
+  p.add_argument("--mesh", type=_mesh,
+                 help="ROWSxCOLS: a 2D mesh of axes (x, y), the dense all-reduces as the"
+                 " 2D torus (sets --devices to ROWS*COLS)")
+  p.add_argument("--out", default=str(RESULTS_DIR),
+                 help="output directory (default experiments/results)")
+  p.add_argument("--eval-every", type=_positive, help="steps between evaluations (default 50)")
+  p.add_argument("--evaluate-on", choices=("test", "validation"), default="test",
+                 help="validation trains on the training split less a fixed fifth and"
+                 " reports on that fifth: use it to tune, never the test split")
+  p.add_argument("--bandwidth-gbit", type=float, default=1.0,
+                 help="link bandwidth of the cost model's prediction (default 1 Gbit/s)")
+  p.add_argument("--latency-us", type=float, default=50.0,
+                 help="per-message latency of the cost model's prediction (default 50 us)")
+  p.add_argument("--seed", type=int, default=0, help="initialisation and batch order (default 0)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  return p
+
+
+def config_from_args(argv=None) -> Config:
+  args = parser().parse_args(argv)
+  task = TASKS[args.task]
+  mode = "full" if args.full else "quick"
+  steps = args.steps or task[f"{mode}_steps"]
+  if args.steps:
+    mode = f"{args.steps} steps"
+  devices = args.mesh[0] * args.mesh[1] if args.mesh else args.devices
+  return Config(
+      task=args.task, methods=args.methods, steps=steps, devices=devices, mesh=args.mesh,
+      eval_every=min(args.eval_every or task["eval_every"], steps),
+      evaluate_on=args.evaluate_on, bandwidth_gbit=args.bandwidth_gbit,
+      latency_us=args.latency_us, seed=args.seed, out=args.out,
+      progress=not args.no_progress, mode=mode,
+  )
+
+
+def main(argv=None) -> None:
+  config = config_from_args(argv)
+  report = run(config)
+  print(markdown(report))
+
+
+if __name__ == "__main__":
+  main()

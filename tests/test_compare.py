@@ -1,0 +1,117 @@
+"""`python -m experiments.compare` on a tiny setting, and the committed quick run's goals."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import compare
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROW_KEYS = {
+    "final_accuracy", "final_loss", "bytes_per_step", "bytes_per_step_formula",
+    "compression_ratio", "message_bytes", "step_time_s", "compute_s", "exchange_s",
+    "predicted_step_s", "skipped_steps", "configuration", "history",
+}
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("compare")
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.compare", "--methods", "allreduce,cast",
+       "--steps", "20", "--eval-every", "10", "--out", str(out), "--no-progress"],
+      cwd=ROOT, capture_output=True, text=True, timeout=110,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return out, done.stdout
+
+
+def test_writes_json_table_and_plots(cli_run):
+  out, stdout = cli_run
+  assert {p.name for p in out.iterdir()} >= {
+      "compare.json", "compare.md", "accuracy_vs_step.png", "accuracy_vs_bytes.png"}
+  report = json.loads((out / "compare.json").read_text())
+  config = report["config"]
+  assert config["task"] == "digits" and config["steps"] == 20 and config["devices"] == 8
+  assert config["evaluated_on"] == "test" and config["missing_methods"] == {}
+  assert list(report["methods"]) == ["allreduce", "cast"]
+  for row in report["methods"].values():
+    assert ROW_KEYS <= set(row)
+    assert 0.0 <= row["final_accuracy"] <= 1.0
+    assert row["bytes_per_step"] == row["bytes_per_step_formula"] > 0
+    assert row["predicted_step_s"] == pytest.approx(row["compute_s"] + row["exchange_s"])
+    assert [h["step"] for h in row["history"]] == [10, 20]
+    assert row["final_accuracy"] == row["history"][-1]["eval_accuracy"]
+  dense, cast = report["methods"]["allreduce"], report["methods"]["cast"]
+  n = config["num_params"]
+  assert dense["bytes_per_step"] == 2 * 7 / 8 * 4 * n
+  assert dense["compression_ratio"] == 1.0
+  assert cast["compression_ratio"] == pytest.approx(2.0, rel=1e-4)
+  assert cast["bytes_per_step"] == pytest.approx(dense["bytes_per_step"] / 2, rel=1e-4)
+  table = (out / "compare.md").read_text()
+  assert "| allreduce |" in table and "| cast |" in table and "0.5x" in table
+  assert "| cast |" in stdout
+
+
+def test_torus_mesh_in_process(tmp_path):
+  config = compare.config_from_args(
+      ["--methods", "allreduce", "--mesh", "2x4", "--steps", "4", "--eval-every", "2",
+       "--out", str(tmp_path), "--no-progress"])
+  assert config.devices == 8 and config.num_devices == (2, 4)
+  report = compare.run(config)
+  row = report["methods"]["allreduce"]
+  assert report["config"]["mesh"] == [2, 4]
+  assert row["bytes_per_step"] == row["bytes_per_step_formula"]
+  assert set(row["bytes_by_kind"]) == {"reduce-scatter", "all-reduce", "all-gather"}
+
+
+def test_help_documents_every_flag():
+  text = compare.parser().format_help()
+  for flag in ("--quick", "--full", "--methods", "--task", "--steps", "--devices", "--mesh",
+               "--out", "--evaluate-on", "--bandwidth-gbit", "--latency-us"):
+    assert flag in text
+
+
+@pytest.mark.parametrize("argv", [["--methods", "zip"], ["--mesh", "2by4"], ["--steps", "0"],
+                                  ["--quick", "--full"]])
+def test_bad_flags_are_refused(argv):
+  with pytest.raises(SystemExit):
+    compare.config_from_args(argv)
+
+
+def test_quick_is_the_default():
+  assert compare.config_from_args([]).steps == compare.TASKS["digits"]["quick_steps"]
+  assert compare.config_from_args(["--full"]).steps == compare.TASKS["digits"]["full_steps"]
+  assert compare.config_from_args([]).methods == compare.ALL_METHODS
+
+
+def _report(dense, others, dgc_density=0.001, dgc_ratio=400.0):
+  methods = {"allreduce": {"final_accuracy": dense}}
+  for name, accuracy in others.items():
+    methods[name] = {"final_accuracy": accuracy, "compression_ratio": dgc_ratio,
+                     "configuration": {"compressor": {"density": dgc_density}}}
+  return {"config": {"evaluated_on": "test"}, "methods": methods}
+
+
+def test_goals_are_checked():
+  met = compare.check_goals(_report(0.97, {"gtopk": 0.955, "dgc": 0.96}))
+  assert all(g["met"] for g in met) and len(met) == 5
+  failed = {g["goal"] for g in compare.check_goals(
+      _report(0.94, {"gtopk": 0.90, "dgc": 0.91}, dgc_density=0.01, dgc_ratio=120.0))
+      if not g["met"]}
+  assert len(failed) == 5
+
+
+def test_committed_quick_run_meets_the_goals():
+  report = json.loads((ROOT / "experiments" / "results" / "compare.json").read_text())
+  assert report["config"]["task"] == "digits" and report["config"]["mode"] == "quick"
+  assert report["config"]["evaluated_on"] == "test"
+  assert set(report["methods"]) == set(compare.ALL_METHODS)
+  goals = report["goals"]
+  assert goals == compare.check_goals(report)
+  assert all(g["met"] for g in goals), [g for g in goals if not g["met"]]
+  for row in report["methods"].values():
+    assert row["bytes_per_step"] == row["bytes_per_step_formula"]
