@@ -1,0 +1,173 @@
+"""One JAX worker of a netbench run: one CPU device, gloo collectives.
+
+``python -m experiments.netbench.worker SPEC.json`` joins the other workers
+with ``jax.distributed.initialize``, draws this worker's gradient (a Gaussian
+pytree, its key folded with the process index), and times the compressor's
+``update`` under ``jax.jit(jax.shard_map(...))`` over a mesh of every
+process's device, as a user's step runs it. Before each timed step a tiny
+``psum`` lines the workers up, so every worker times the same step.
+
+It compiles once and measures one phase per bandwidth (see
+:func:`workload.wait_for_phase`): step times and the bytes its network
+interface sent during the timed steps. Then it times the same ``update`` on a
+mesh of its own device alone (the collectives over a group of one vanish), all
+workers at once so that they contend for the cores as in the real step: the
+compression compute. ``SPEC["out"]`` gets the compute times, the bytes of the
+compiled step (:func:`jaxcomp.wire.collective_bytes`) and a digest of the
+result (equal on every worker when the output is bitwise identical).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 1)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import shapes as shapes_lib  # noqa: E402
+from experiments.netbench import workload  # noqa: E402
+from jaxcomp import costmodel  # noqa: E402
+from jaxcomp import wire  # noqa: E402
+
+AXIS = "data"
+
+
+def _per_device(tx):
+  """The body of a user's step: one device's gradient in, the mean out."""
+
+  def body(grads, state):
+    grads = jax.tree.map(lambda x: x[0], grads)
+    state = jax.tree.map(lambda x: x[0], state)
+    mean, state = tx.update(grads, state, grads)
+    add_axis = lambda x: jnp.expand_dims(x, 0)
+    return jax.tree.map(add_axis, mean), jax.tree.map(add_axis, state)
+
+  return body
+
+
+def _step(tx, mesh):
+  spec = PartitionSpec(AXIS)
+  return jax.jit(
+      jax.shard_map(_per_device(tx), mesh=mesh, in_specs=(spec, spec),
+                    out_specs=(spec, spec), check_vma=False),
+      donate_argnums=(1,),
+  )
+
+
+def _stacked(tree, mesh):
+  """This process's arrays as the local row of ``[P, ...]`` arrays sharded over ``mesh``."""
+  sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+  count = mesh.devices.size
+  device = jax.local_devices()[0]
+
+  def one(x):
+    local = jax.device_put(jnp.expand_dims(x, 0), device)
+    return jax.make_array_from_single_device_arrays((count,) + x.shape, sharding, [local])
+
+  return jax.tree.map(one, tree)
+
+
+def _timed(step, grads, state, barrier, count):
+  """``count`` steps, each after a line-up: their seconds, the last output, the state."""
+  times, out = [], None
+  for _ in range(count):
+    barrier()
+    start = time.perf_counter()
+    out, state = step(grads, state)
+    jax.block_until_ready((out, state))
+    times.append(time.perf_counter() - start)
+  return times, out, state
+
+
+def run(spec: dict) -> dict:
+  jax.distributed.initialize(
+      coordinator_address=spec["coordinator"],
+      num_processes=spec["num_processes"],
+      process_id=spec["process_id"],
+      initialization_timeout=spec["init_timeout_s"],
+  )
+  host = jax.process_index()
+  mesh = Mesh(np.array(jax.devices()), (AXIS,))
+  ones = _stacked(jnp.ones([], jnp.float32), mesh)
+  line_up = jax.jit(jax.shard_map(
+      lambda x: jax.lax.psum(x, AXIS), mesh=mesh, in_specs=PartitionSpec(AXIS),
+      out_specs=PartitionSpec(AXIS), check_vma=False))
+  barrier = lambda: jax.block_until_ready(line_up(ones))
+  # The first collective sets up gloo's connections, and gives up when a
+  # worker is more than 30 s late: do it while the workers are in step.
+  barrier()
+
+  shapes = workload.gradient_shapes(spec["model"], spec["size"])
+  key = jax.random.fold_in(jax.random.key(spec["seed"]), host)
+  grads = shapes_lib.normal(shapes, key)
+  tx = costmodel.build(spec["method"], AXIS, **spec["config"])
+
+  global_grads = _stacked(grads, mesh)
+  state = _stacked(tx.init(grads), mesh)
+  start = time.perf_counter()
+  step = _step(tx, mesh).lower(global_grads, state).compile()
+  compile_s = time.perf_counter() - start
+  counted = wire.collective_bytes(step)
+
+  for phase in range(spec["phases"]):
+    workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
+    _, _, state = _timed(step, global_grads, state, barrier, spec["warmup"])
+    sent_before = workload.tx_bytes(spec["interface"])
+    times, out, state = _timed(step, global_grads, state, barrier, spec["steps"])
+    sent_after = workload.tx_bytes(spec["interface"])
+    workload.write_json(workload.phase_result_path(spec["sync_dir"], host, phase), {
+        "step_times_s": times,
+        "tx_bytes": None if sent_before is None else sent_after - sent_before,
+    })
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(out):
+    digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
+  del out, state, global_grads
+
+  alone = Mesh(np.array(jax.local_devices()[:1]), (AXIS,))
+  local_grads = _stacked(grads, alone)
+  local_state = _stacked(tx.init(grads), alone)
+  local_step = _step(tx, alone).lower(local_grads, local_state).compile()
+  _, _, local_state = _timed(local_step, local_grads, local_state, barrier, 1)
+  compute, _, _ = _timed(local_step, local_grads, local_state, barrier, spec["compute_steps"])
+  barrier()
+
+  return {
+      "process": host,
+      "pid": os.getpid(),
+      "compute_times_s": compute,
+      "compile_s": compile_s,
+      "collective_bytes": str(counted.total),
+      "collective_bytes_by_kind": {k: str(v) for k, v in counted.by_kind.items()},
+      "output_sha256": digest.hexdigest(),
+  }
+
+
+def main(argv) -> int:
+  with open(argv[1]) as f:
+    spec = json.load(f)
+  try:
+    result = run(spec)
+    status = 0
+  except Exception:  # the launcher records it in the JSON
+    result = {"error": traceback.format_exc()}
+    status = 1
+  workload.write_json(spec["out"], result)
+  if status == 0:
+    jax.distributed.shutdown()
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
