@@ -6,6 +6,7 @@ device's gradient and returns the decompressed mean, identical on every device.
 """
 
 from jaxcomp import collectives as collectives
+from jaxcomp import costmodel as costmodel
 from jaxcomp import error_feedback as error_feedback
 from jaxcomp import fusion as fusion
 from jaxcomp import training as training
@@ -13,16 +14,45 @@ from jaxcomp import wire as wire
 from jaxcomp.base import Compressor as Compressor
 from jaxcomp.dense import allreduce as allreduce
 from jaxcomp.dense import cast as cast
+from jaxcomp.dgc import DGCState as DGCState
+from jaxcomp.dgc import dgc as dgc
+from jaxcomp.lowrank import ACPSGDState as ACPSGDState
+from jaxcomp.lowrank import PowerSGDState as PowerSGDState
+from jaxcomp.lowrank import acpsgd as acpsgd
+from jaxcomp.lowrank import powersgd as powersgd
+from jaxcomp.quantize import SignSGDState as SignSGDState
+from jaxcomp.quantize import signsgd as signsgd
+from jaxcomp.sparsify import GTopKState as GTopKState
+from jaxcomp.sparsify import RandomKState as RandomKState
+from jaxcomp.sparsify import TopKState as TopKState
+from jaxcomp.sparsify import gtopk as gtopk
+from jaxcomp.sparsify import randomk as randomk
+from jaxcomp.sparsify import topk as topk
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "ACPSGDState",
     "Compressor",
+    "DGCState",
+    "GTopKState",
+    "PowerSGDState",
+    "RandomKState",
+    "SignSGDState",
+    "TopKState",
+    "acpsgd",
     "allreduce",
     "cast",
     "collectives",
+    "costmodel",
+    "dgc",
     "error_feedback",
     "fusion",
+    "gtopk",
+    "powersgd",
+    "randomk",
+    "signsgd",
+    "topk",
     "training",
     "wire",
 )
