@@ -13,18 +13,25 @@ gradient of its own shard of the batch::
   params, opt_state, losses = step(params, opt_state, training.shard(batch, mesh, "data"))
 
 The step skips itself on every device alike when the mean gradient is not
-finite (parameters and state unchanged). To also count skipped steps with
-``optax.apply_if_finite``, put it *after* the compressor:
-``optax.chain(compressor, optax.apply_if_finite(optimizer, 5))``. Wrapped
-around the compressor it tests each device's local gradient, so one device's
-NaN sends that device down the skip branch while the others wait in the
-collective for ever.
+finite (parameters and state unchanged). To count skipped steps with
+``optax.apply_if_finite`` instead, put it *after* the compressor,
+``optax.chain(compressor, optax.apply_if_finite(optimizer, 5))``, and build
+the step with ``skip_nonfinite=False`` (the step's own skip would also undo
+its counters). Wrapped around the compressor, ``apply_if_finite`` tests each
+device's local gradient, so one device's NaN sends that device down the skip
+branch while the others wait in the collective for ever.
+
+:func:`save_checkpoint` and :func:`restore_checkpoint` keep the whole state
+(parameters, every device's residuals, momenta, factors, counters and keys)
+with orbax; a run restored from step ``t`` goes on bit for bit as if it had
+never stopped.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+import os
+from typing import Any, Callable, Optional, Sequence, Union
 
 import chex
 import jax
@@ -107,7 +114,7 @@ def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
   return jax.tree.map(lambda x: x[device], opt_state)
 
 
-def _guarded_update(tx, loss_fn, has_aux):
+def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
   """The per-device body shared by the shard_map and pmap steps."""
 
   def body(params, state, batch):
@@ -118,8 +125,9 @@ def _guarded_update(tx, loss_fn, has_aux):
     # The mean gradient is identical on every device, so is this decision.
     finite = base.all_finite(updates)
     new_params = optax.apply_updates(params, updates)
-    new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
-    new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    if skip_nonfinite:
+      new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
+      new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
     metrics = {"loss": loss, "finite": finite}
     if has_aux:
       metrics["aux"] = aux
@@ -136,6 +144,7 @@ def make_step(
     *,
     has_aux: bool = False,
     donate: bool = True,
+    skip_nonfinite: bool = True,
 ) -> Callable:
   """A jitted data-parallel step: ``step(params, opt_state, batch)``.
 
@@ -148,6 +157,10 @@ def make_step(
     axis_name: the data axis, or a pair of axes for the 2D torus.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     donate: donate the parameter and state buffers to the step.
+    skip_nonfinite: keep parameters and state unchanged, on every device
+      alike, when the mean gradient is not finite. Set it to ``False`` when
+      ``tx`` holds ``optax.apply_if_finite`` after the compressor, so that
+      its counters of non-finite steps advance.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` with
@@ -157,7 +170,7 @@ def make_step(
     with a leading device axis (no collective is spent on them).
   """
   spec = _spec(axis_name)
-  body = _guarded_update(tx, loss_fn, has_aux)
+  body = _guarded_update(tx, loss_fn, has_aux, skip_nonfinite)
 
   def per_device(params, stacked_state, batch):
     state = jax.tree.map(lambda x: x[0], stacked_state)
@@ -185,6 +198,7 @@ def make_pmap_step(
     *,
     has_aux: bool = False,
     devices: Optional[Sequence[jax.Device]] = None,
+    skip_nonfinite: bool = True,
 ) -> Callable:
   """The same step through ``jax.pmap``: every argument has a leading device axis.
 
@@ -193,5 +207,106 @@ def make_pmap_step(
   ``[devices, per_device, ...]``.
   """
   return jax.pmap(
-      _guarded_update(tx, loss_fn, has_aux), axis_name=axis_name, devices=devices
+      _guarded_update(tx, loss_fn, has_aux, skip_nonfinite),
+      axis_name=axis_name, devices=devices,
   )
+
+
+# ---------------------------------------------------------------- checkpoints
+
+_REPLICAS_KEY = "jaxcomp_num_replicas"
+
+
+def _checkpointer():
+  """orbax's checkpointer; orbax is an optional dependency (``jaxcomp[checkpoint]``)."""
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        "checkpoints need orbax: pip install 'jaxcomp[checkpoint]'"
+    ) from e
+  return ocp.StandardCheckpointer()
+
+
+def save_checkpoint(
+    directory: Union[str, os.PathLike],
+    params: optax.Params,
+    opt_state: optax.OptState,
+    step: int = 0,
+) -> None:
+  """Writes parameters, the stacked per-device optimizer state and ``step`` with orbax.
+
+  Blocks until the checkpoint is on disk, so that the step may donate the
+  buffers right after. Parameters are identical on every device and are
+  written once; the state is written whole, every device's row of it.
+
+  Args:
+    directory: a new directory (an existing one is an error, as in orbax).
+    params: replicated parameters (see :func:`replicate`).
+    opt_state: the stacked state of :func:`init_state` and the step.
+    step: the number of steps taken, returned by :func:`restore_checkpoint`.
+  """
+  leaves = jax.tree.leaves(opt_state)
+  replicas = int(leaves[0].shape[0]) if leaves else 0
+  checkpointer = _checkpointer()
+  checkpointer.save(
+      os.fspath(os.path.abspath(directory)),
+      {"params": params, "opt_state": opt_state, "step": int(step)},
+      custom_metadata={_REPLICAS_KEY: replicas},
+  )
+  checkpointer.wait_until_finished()
+
+
+def restore_checkpoint(
+    directory: Union[str, os.PathLike],
+    params: optax.Params,
+    opt_state: optax.OptState,
+    mesh: Mesh,
+    axis_name: base.AxisName,
+) -> tuple[optax.Params, optax.OptState, int]:
+  """Reads a checkpoint of :func:`save_checkpoint` onto ``mesh``.
+
+  Args:
+    directory: what :func:`save_checkpoint` wrote.
+    params: parameters (or ``jax.ShapeDtypeStruct``s) of the same structure,
+      shapes and dtypes; only their structure is read.
+    opt_state: a state built by :func:`init_state` for ``mesh`` (or its
+      shapes); only its structure is read.
+    mesh: the mesh to place the restored arrays on.
+    axis_name: the data axis, or the pair of axes, of the per-device state.
+
+  Returns:
+    ``(params, opt_state, step)``: parameters replicated and the state stacked
+    per device and sharded over ``axis_name``, as :func:`make_step` takes them.
+
+  Raises:
+    ValueError: the checkpoint holds per-device state for another number of
+      devices than ``mesh`` has along ``axis_name``. Each device's residuals
+      and momenta are its own, so they are not re-sharded: restore onto the
+      device count the run was saved with.
+  """
+  path = os.fspath(os.path.abspath(directory))
+  checkpointer = _checkpointer()
+  saved = checkpointer.metadata(path).custom_metadata.get(_REPLICAS_KEY)
+  replicas = num_replicas(mesh, axis_name)
+  if jax.tree.leaves(opt_state) and saved != replicas:
+    raise ValueError(
+        f"the checkpoint in {path} holds per-device optimizer state for {saved}"
+        f" devices, but the mesh has {replicas} devices along `axis_name`"
+        f" {axis_name!r}: restore it onto {saved} devices (residuals and"
+        " momenta belong to their device and are not re-sharded)"
+    )
+
+  def abstract(tree, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=sharding), tree
+    )
+
+  target = {
+      "params": abstract(params, PartitionSpec()),
+      "opt_state": abstract(opt_state, _spec(axis_name)),
+      "step": 0,
+  }
+  restored = checkpointer.restore(path, target)
+  return restored["params"], restored["opt_state"], int(restored["step"])
