@@ -300,6 +300,84 @@ def test_restore_onto_another_device_count_names_both_counts(run, checkpoints, m
         checkpoints / f"randomk-{mesh_name}", params, state, mesh, "data")
 
 
+# ------------------------------------------------------------------ bad input
+
+# One row per line of the README's table: (call, error, what the message says).
+BAD_ARGUMENTS = {
+    "density 0": (lambda: jaxcomp.topk(0.0, "data"), ValueError, r"`density` must be in \(0, 1\]"),
+    "density > 1": (lambda: jaxcomp.gtopk(1.5, "data"), ValueError, r"`density` must be in \(0, 1\]"),
+    "density NaN": (lambda: jaxcomp.randomk(float("nan"), "data"), ValueError, r"`density` must be in \(0, 1\]"),
+    "density not a number": (lambda: jaxcomp.dgc("0.1", "data"), TypeError, r"`density`"),
+    "rank < 1": (lambda: jaxcomp.powersgd(0, "data"), ValueError, r"`rank` must be >= 1"),
+    "rank not an int": (lambda: jaxcomp.acpsgd(1.5, "data"), TypeError, r"`rank` must be an int >= 1"),
+    "min_compression_rate < 1": (
+        lambda: jaxcomp.powersgd(2, "data", min_compression_rate=0.5), ValueError,
+        r"`min_compression_rate` must be >= 1"),
+    "momentum >= 1": (lambda: jaxcomp.dgc(0.01, "data", momentum=1.0), ValueError,
+                      r"`momentum` must be in \[0, 1\)"),
+    "momentum < 0": (lambda: jaxcomp.dgc(0.01, "data", momentum=-0.1), ValueError,
+                     r"`momentum` must be in \[0, 1\)"),
+    "sample_ratio 0": (lambda: jaxcomp.dgc(0.01, "data", sample_ratio=0.0), ValueError,
+                       r"`sample_ratio` must be in \(0, 1\]"),
+    "warmup_steps < 0": (lambda: jaxcomp.dgc(0.01, "data", warmup_steps=-1), ValueError,
+                         r"`warmup_steps` must be >= 0"),
+    "clip_norm <= 0": (lambda: jaxcomp.dgc(0.01, "data", clip_norm=0.0), ValueError,
+                       r"`clip_norm` must be None or in \(0, inf\)"),
+    "cast to an integer dtype": (lambda: jaxcomp.cast(jnp.int32, "data"), TypeError,
+                                 r"`dtype` must be a 16- or 32-bit floating dtype"),
+    "cast to float64": (lambda: jaxcomp.cast(jnp.float64, "data"), TypeError,
+                        r"`dtype` must be a 16- or 32-bit floating dtype"),
+    "seed out of range": (lambda: jaxcomp.randomk(0.1, "data", seed=-1), ValueError,
+                          r"`seed` must be in \[0, 2\*\*32\)"),
+    "flag not a bool": (lambda: jaxcomp.signsgd("data", majority_vote="yes"), TypeError,
+                        r"`majority_vote` must be a bool"),
+    "empty axis name": (lambda: jaxcomp.allreduce(""), ValueError, r"`axis_name` must be a non-empty"),
+    "axis name not a string": (lambda: jaxcomp.topk(0.1, 0), TypeError, r"`axis_name` must be"),
+    "axis pair of equal names": (lambda: jaxcomp.acpsgd(2, ("x", "x")), ValueError,
+                                 r"`axis_name` pair must name two distinct mesh axes"),
+    "three axis names": (lambda: jaxcomp.powersgd(2, ("x", "y", "z")), ValueError,
+                         r"`axis_name` as a sequence must be a pair"),
+}
+
+
+@pytest.mark.parametrize("row", BAD_ARGUMENTS)
+def test_bad_argument_is_named_at_construction(row):
+  make, error, message = BAD_ARGUMENTS[row]
+  with pytest.raises(error, match=message):
+    make()
+
+
+def _update_on_ring(tx, params, grads):
+  """``tx.update`` on 8 devices of axis ``data`` (traced, so checks at first trace run)."""
+  mesh = training.make_mesh(8)
+  spec = jax.sharding.PartitionSpec("data")
+  state = training.init_state(tx, params, mesh, "data")
+  stacked = jax.tree.map(lambda x: np.broadcast_to(x, (8,) + x.shape), grads)
+
+  def per_device(g, s):
+    g, s = jax.tree.map(lambda x: x[0], (g, s))
+    return jax.tree.map(lambda x: x[None], tx.update(g, s))
+
+  return jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+      check_vma=False))(training.shard(stacked, mesh, "data"), state)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_unknown_axis_is_named_at_first_trace(name):
+  params = {"w": np.ones((6, 4), np.float32)}
+  with pytest.raises(ValueError, match=r"`axis_name` 'model' is not a bound mesh axis"):
+    _update_on_ring(COMPRESSORS[name]("model"), params, params)
+
+
+@pytest.mark.parametrize("name", [n for n in COMPRESSORS if n not in ("allreduce", "cast")])
+def test_updates_unlike_the_params_are_named_at_first_trace(name):
+  params = {"w": np.ones((6, 4), np.float32), "b": np.ones(4, np.float32)}
+  grads = {"w": np.ones((6, 5), np.float32), "b": np.ones(4, np.float32)}
+  with pytest.raises(ValueError, match=r"`updates`"):
+    _update_on_ring(COMPRESSORS[name]("data"), params, grads)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["resume"]:
   jax.config.update("jax_num_cpu_devices", 8)
   _resume(*sys.argv[2:6])

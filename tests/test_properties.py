@@ -1,0 +1,200 @@
+"""Properties over random shapes and pytrees (hypothesis), on 8 fake CPU devices.
+
+Shapes come from small fixed sets so that compiles stay few; values are drawn
+freely. Each property is the spec of one shared mechanism: fusion, error
+feedback, the gTop-k butterfly, the torus all-reduce, PowerSGD.
+"""
+
+import functools
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+import numpy as np
+
+from jaxcomp import collectives
+from jaxcomp import error_feedback
+from jaxcomp import fusion
+from jaxcomp import lowrank
+from jaxcomp import sparsify
+from jaxcomp import training
+from test_collectives import _gtopk_fn
+from test_collectives import gtopk_allreduce_reference
+
+LEAF_SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (4, 1, 2, 3)]
+DTYPES = [np.float32, jnp.bfloat16, np.float16]
+
+
+@st.composite
+def pytrees(draw, dtypes=DTYPES, max_leaves=4):
+  """A dict of lists and leaves, of shapes from ``LEAF_SHAPES``, values of ``dtypes``."""
+  count = draw(st.integers(1, max_leaves))
+  seed = draw(st.integers(0, 2**16))
+  rng = np.random.default_rng(seed)
+  leaves = []
+  for _ in range(count):
+    shape = draw(st.sampled_from(LEAF_SHAPES))
+    dtype = draw(st.sampled_from(dtypes))
+    leaves.append(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 10, dtype))
+  split = draw(st.integers(0, count))
+  return {"a": leaves[:split], "b": {"c": leaves[split:]}}
+
+
+def _per_device_fn(fn, mesh, axis):
+  spec = PartitionSpec(axis)
+  return jax.jit(jax.shard_map(
+      lambda *xs: jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], xs))),
+      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@hypothesis.given(tree=pytrees())
+def test_fusion_round_trip_is_the_identity(tree):
+  bucket = fusion.Bucket.of(tree)
+  flat = bucket.flatten(tree)
+  assert flat.shape == (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)),)
+  again = bucket.unflatten(flat, like=tree)
+  assert jax.tree.structure(again) == jax.tree.structure(tree)
+  for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(tree)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@hypothesis.given(tree=pytrees(), rule=st.sampled_from(["rank>1", "size>4"]))
+def test_fusion_partition_round_trip(tree, rule):
+  where = {"rank>1": lambda s: len(s) > 1, "size>4": lambda s: int(np.prod(s)) > 4}[rule]
+  first, second = fusion.partition(tree, where)
+  assert sorted(first.leaves + second.leaves) == list(range(len(jax.tree.leaves(tree))))
+  again = second.unflatten(second.flatten(tree), like=first.unflatten(first.flatten(tree), like=tree))
+  for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(tree)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@hypothesis.given(
+    tree=pytrees(dtypes=[np.float32]),
+    residual_seed=st.integers(0, 2**16),
+    density=st.sampled_from([0.1, 0.5, 1.0]),
+)
+def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
+  """``sent + new residual == grad + old residual`` bit for bit, sparse or dense ``sent``."""
+  rng = np.random.default_rng(residual_seed)
+  residual = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), tree)
+  bucket = fusion.Bucket.of(tree)
+  corrected = error_feedback.compensate(bucket, tree, residual)
+  np.testing.assert_array_equal(
+      np.asarray(corrected), np.asarray(bucket.flatten(tree) + bucket.flatten(residual)))
+  k = max(1, int(np.ceil(density * bucket.size)))
+  values, indices = sparsify.select_topk(corrected, k)
+  sent = collectives.densify(values, indices, bucket.size)
+  new = error_feedback.absorb(bucket, corrected, sent, residual)
+  np.testing.assert_array_equal(
+      np.asarray(sent + bucket.flatten(new)), np.asarray(corrected))
+  assert int(jnp.sum(sent != 0)) <= k
+
+
+@hypothesis.settings(max_examples=8)
+@hypothesis.given(
+    shape=st.sampled_from([(40,), (6, 7)]),
+    density=st.sampled_from([0.05, 0.2]),
+    seed=st.integers(0, 2**16),
+)
+def test_topk_every_coordinate_is_sent_or_kept(shape, density, seed):
+  """Per device: the new residual is the corrected gradient less exactly ``k`` of its entries."""
+  mesh = training.make_mesh(8)
+  tx = sparsify.topk(density, "data")
+  rng = np.random.default_rng(seed)
+  grads = {"g": rng.normal(size=(8,) + shape).astype(np.float32)}
+  old = {"g": rng.normal(size=(8,) + shape).astype(np.float32)}
+  state = sparsify.TopKState(count=jnp.zeros(8, jnp.int32), residual=old)
+  _, new_state = _update_fn(tx, shape)(grads, state)
+  n = int(np.prod(shape))
+  k = max(1, int(np.ceil(density * n)))
+  for device in range(8):
+    corrected = (grads["g"][device] + old["g"][device]).reshape(-1)
+    kept = np.asarray(new_state.residual["g"][device]).reshape(-1)
+    sent = corrected - kept
+    assert np.count_nonzero(sent) == k
+    np.testing.assert_array_equal(sent[sent != 0], corrected[sent != 0])
+    assert np.all(kept[sent != 0] == 0)
+    smallest_sent = np.min(np.abs(corrected[sent != 0]))
+    assert np.all(np.abs(kept) <= smallest_sent)
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(tx, shape):
+  del shape  # a key of the cache: one compile per shape
+  return _per_device_fn(tx.update, training.make_mesh(8), "data")
+
+
+@hypothesis.settings(max_examples=10)
+@hypothesis.given(
+    num_devices=st.sampled_from([2, 4, 8]),
+    k=st.sampled_from([1, 4, 9]),
+    seed=st.integers(0, 2**16),
+    levels=st.booleans(),
+)
+def test_gtopk_allreduce_equals_numpy_reference(num_devices, k, seed, levels):
+  """Exact values and indices on every device; ``levels`` makes magnitude ties common."""
+  n = 48
+  rng = np.random.default_rng(seed)
+  if levels:
+    dense = rng.choice([-2.0, -1.0, 1.0, 2.0], (num_devices, n)).astype(np.float32)
+  else:
+    dense = rng.standard_normal((num_devices, n)).astype(np.float32)
+  indices = np.stack([rng.choice(n, k, replace=False) for _ in range(num_devices)]).astype(np.int32)
+  values = np.take_along_axis(dense, indices, axis=1)
+  out_v, out_i = _gtopk_fn(num_devices, k)(values, indices)
+  ref_v, ref_i = gtopk_allreduce_reference(list(zip(values, indices)), k)
+  for device in range(num_devices):
+    np.testing.assert_array_equal(np.asarray(out_i[device]), ref_i)
+    np.testing.assert_array_equal(np.asarray(out_v[device]), ref_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _torus_fn(rows, cols, shape):
+  mesh = training.make_mesh((rows, cols), ("x", "y"))
+  spec = PartitionSpec(("x", "y"))
+
+  def per_device(x):
+    x = x[0]
+    return (collectives.torus_allreduce(x, "x", "y")[None],
+            lax.psum(x, ("x", "y"))[None])
+
+  del shape  # a key of the cache: one compile per shape
+  return jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=spec, out_specs=(spec, spec), check_vma=False))
+
+
+@hypothesis.given(
+    mesh_shape=st.sampled_from([(2, 4), (4, 2)]),
+    shape=st.sampled_from([(1,), (5,), (8,), (13,), (3, 7)]),
+    seed=st.integers(0, 2**16),
+)
+def test_torus_allreduce_equals_psum(mesh_shape, shape, seed):
+  """Integer-valued floats make every summation order exact, so equality is bitwise."""
+  x = np.random.default_rng(seed).integers(-1000, 1000, (8,) + shape).astype(np.float32)
+  torus, psum = _torus_fn(*mesh_shape, shape)(x)
+  np.testing.assert_array_equal(np.asarray(torus), np.asarray(psum))
+  np.testing.assert_array_equal(np.asarray(torus)[0], x.sum(0))
+
+
+@hypothesis.settings(max_examples=8)
+@hypothesis.given(
+    dims=st.sampled_from([(12, 9), (20, 6), (3, 3, 2, 8)]),
+    rank=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_powersgd_is_exact_on_rank_r_input(dims, rank, seed):
+  """Gradients ``A B_i^T`` sharing a rank-r column space come back whole after one step."""
+  rng = np.random.default_rng(seed)
+  rows, cols = int(np.prod(dims[:-1])), dims[-1]
+  column_space = rng.normal(size=(rows, rank)).astype(np.float32)
+  grads = {"m": np.stack([
+      (column_space @ rng.normal(size=(rank, cols))).astype(np.float32).reshape(dims)
+      for _ in range(8)])}
+  tx = lowrank.powersgd(rank, "data", min_compression_rate=1.0)
+  state = training.init_state(tx, {"m": grads["m"][0]}, training.make_mesh(8), "data")
+  out, _ = _update_fn(tx, dims)(grads, state)
+  np.testing.assert_allclose(np.asarray(out["m"][0]), grads["m"].mean(0), rtol=1e-4, atol=1e-4)
