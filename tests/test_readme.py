@@ -1,0 +1,43 @@
+"""The README's example runs as written, and CI reads the README's test command."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _block_after(marker: str) -> str:
+  match = re.search(re.escape(marker) + r"\s*```\w*\n(.*?)```", README, re.S)
+  assert match, f"no fenced block after {marker} in README.md"
+  return match.group(1)
+
+
+def test_example_runs_in_a_fresh_process():
+  code = _block_after("<!-- ci:example -->")
+  code += (
+      "\nimport numpy as np"
+      "\nassert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(params))"
+      "\nassert float(jnp.abs(params['w']).sum()) > 0"
+      "\nprint('example ok')\n"
+  )
+  done = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "example ok" in done.stdout
+
+
+def test_ci_runs_the_readmes_test_command():
+  command = _block_after("<!-- ci:test-command -->").strip()
+  assert "pip install" in command and "pytest" in command
+  script = (ROOT / ".ci" / "run").read_text()
+  assert "<!-- ci:test-command -->" in script
+  # .ci/run extracts the block with awk: the same text must come out.
+  extracted = subprocess.run(
+      ["awk", re.search(r"awk '(.*?)' README.md", script, re.S).group(1), "README.md"],
+      capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
+  assert extracted == command
