@@ -223,12 +223,9 @@ def measure_compute(tx: base.Compressor, params: optax.Params, repeats: int = 5)
   grads = jax.tree.unflatten(treedef, [
       jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype) for k, s in zip(keys, leaves)
   ])
-  state = tx.init(grads)
-  update = jax.jit(jax.shard_map(
-      lambda g, s: tx.update(g, s, g), mesh=mesh,
-      in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
-      check_vma=False,
-  ))
+  state = training.init_state(tx, grads, mesh, "data")
+  grads = training.stack_per_device(grads, mesh, "data")
+  update = training.make_update(tx, mesh, "data")
   jax.block_until_ready(update(grads, state))
   times = []
   for _ in range(repeats):

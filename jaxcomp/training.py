@@ -114,6 +114,43 @@ def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
   return jax.tree.map(lambda x: x[device], opt_state)
 
 
+def make_update(
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    axis_name: base.AxisName,
+    *,
+    wrap: Optional[Callable[[Callable], Callable]] = None,
+) -> Callable:
+  """``tx.update`` alone, jitted over ``mesh``: ``update(grads, opt_state)``.
+
+  For looking at a compressor without a model (tests, benchmarks): every
+  device runs ``tx.update`` on its own row of the stacked gradients and state.
+
+  Args:
+    tx: a compressor, or a chain that needs no ``params``.
+    mesh: the device mesh.
+    axis_name: the data axis, or a pair of axes for the 2D torus.
+    wrap: applied to the per-device function before ``shard_map`` (for
+      instance ``lambda f: chex.assert_max_traces(f, n=1)``).
+
+  Returns:
+    ``update(grads, opt_state) -> (updates, opt_state)``: arguments and
+    results stacked per device (``[devices, ...]``, see
+    :func:`stack_per_device` and :func:`init_state`); each row of ``updates``
+    is that device's result.
+  """
+  spec = _spec(axis_name)
+
+  def per_device(grads, stacked_state):
+    grads, state = jax.tree.map(lambda x: x[0], (grads, stacked_state))
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tx.update(grads, state))
+
+  body = per_device if wrap is None else wrap(per_device)
+  # check_vma=False: see make_step.
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
+
+
 def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
   """The per-device body shared by the shard_map and pmap steps."""
 

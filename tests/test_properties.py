@@ -43,13 +43,6 @@ def pytrees(draw, dtypes=DTYPES, max_leaves=4):
   return {"a": leaves[:split], "b": {"c": leaves[split:]}}
 
 
-def _per_device_fn(fn, mesh, axis):
-  spec = PartitionSpec(axis)
-  return jax.jit(jax.shard_map(
-      lambda *xs: jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], xs))),
-      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-
-
 @hypothesis.given(tree=pytrees())
 def test_fusion_round_trip_is_the_identity(tree):
   bucket = fusion.Bucket.of(tree)
@@ -125,7 +118,7 @@ def test_topk_every_coordinate_is_sent_or_kept(shape, density, seed):
 @functools.lru_cache(maxsize=None)
 def _update_fn(tx, shape):
   del shape  # a key of the cache: one compile per shape
-  return _per_device_fn(tx.update, training.make_mesh(8), "data")
+  return training.make_update(tx, training.make_mesh(8), "data")
 
 
 @hypothesis.settings(max_examples=10)

@@ -234,19 +234,11 @@ def test_update_returns_non_finite_on_every_device_for_every_compressor():
   mesh = training.make_mesh(8)
   grads = {"w": np.ones((8, 16, 12), np.float32), "b": np.ones((8, 12), np.float32)}
   grads["w"][BAD_DEVICE, 2, 3] = np.nan
-  spec = jax.sharding.PartitionSpec("data")
   for name, make in COMPRESSORS.items():
     tx = make("data")
     state = training.init_state(tx, {"w": grads["w"][0], "b": grads["b"][0]}, mesh, "data")
-
-    def per_device(g, s, tx=tx):
-      g, s = jax.tree.map(lambda x: x[0], (g, s))
-      out, new = tx.update(g, s)
-      return jax.tree.map(lambda x: x[None], (out, new))
-
-    out, new_state = jax.jit(jax.shard_map(
-        per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
-        check_vma=False))(training.shard(grads, mesh, "data"), state)
+    out, new_state = training.make_update(tx, mesh, "data")(
+        training.shard(grads, mesh, "data"), state)
     for device in range(8):
       assert not all(np.isfinite(np.asarray(x[device])).all() for x in jax.tree.leaves(out)), (
           f"{name}: device {device} got a finite mean")
@@ -350,17 +342,9 @@ def test_bad_argument_is_named_at_construction(row):
 def _update_on_ring(tx, params, grads):
   """``tx.update`` on 8 devices of axis ``data`` (traced, so checks at first trace run)."""
   mesh = training.make_mesh(8)
-  spec = jax.sharding.PartitionSpec("data")
   state = training.init_state(tx, params, mesh, "data")
   stacked = jax.tree.map(lambda x: np.broadcast_to(x, (8,) + x.shape), grads)
-
-  def per_device(g, s):
-    g, s = jax.tree.map(lambda x: x[0], (g, s))
-    return jax.tree.map(lambda x: x[None], tx.update(g, s))
-
-  return jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
-      check_vma=False))(training.shard(stacked, mesh, "data"), state)
+  return training.make_update(tx, mesh, "data")(training.shard(stacked, mesh, "data"), state)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
