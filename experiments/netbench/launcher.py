@@ -378,9 +378,11 @@ class Bench:
         "versions": versions,
         "command": "python -m experiments.netbench " + " ".join(sys.argv[1:]),
         "step_time": "median over the timed steps of the slowest worker's time",
-        "interface_bytes": "tx_bytes of the worker's eth0 over the timed steps, per"
-                           " step, mean over workers (TCP/IP headers and the"
-                           " line-up psum included)",
+        "interface_bytes": "tx_bytes of the worker's eth0 over the timed steps, read"
+                           " after a line-up of all workers on both ends (so"
+                           " every byte sent has crossed the link), per step,"
+                           " mean over workers (TCP/IP headers and the line-up"
+                           " psums included)",
     }
 
   def write(self, finished: bool) -> dict:

@@ -111,8 +111,12 @@ def run(spec: dict) -> dict:
   for phase in range(spec["phases"]):
     workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
     timed(everyone, warmup)
+    # Read between line-ups, as the JAX workers do: by then every byte of the
+    # steps before has crossed this worker's eth0.
+    dist.barrier()
     sent_before = workload.tx_bytes(spec["interface"])
     times = timed(everyone, spec["steps"])
+    dist.barrier()
     sent_after = workload.tx_bytes(spec["interface"])
     workload.write_json(workload.phase_result_path(spec["sync_dir"], rank, phase), {
         "step_times_s": times,

@@ -5,7 +5,9 @@ with ``jax.distributed.initialize``, draws this worker's gradient (a Gaussian
 pytree, its key folded with the process index), and times the compressor's
 ``update`` under ``jax.jit(jax.shard_map(...))`` over a mesh of every
 process's device, as a user's step runs it. Before each timed step a tiny
-``psum`` lines the workers up, so every worker times the same step.
+``psum`` lines the workers up, so every worker times the same step; the
+interface counters are read between line-ups too, once every step's bytes
+have crossed the links.
 
 It compiles once and measures one phase per bandwidth (see
 :func:`workload.wait_for_phase`): step times and the bytes its network
@@ -123,8 +125,14 @@ def run(spec: dict) -> dict:
   for phase in range(spec["phases"]):
     workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
     _, _, state = _timed(step, global_grads, state, barrier, spec["warmup"])
+    # A worker leaves a step once it has received what it needs, while what it
+    # sent may still wait in its socket buffer and qdisc. Past a line-up every
+    # worker has finished the steps before, so every byte they sent has
+    # crossed its eth0: the counters are read there.
+    barrier()
     sent_before = workload.tx_bytes(spec["interface"])
     times, out, state = _timed(step, global_grads, state, barrier, spec["steps"])
+    barrier()
     sent_after = workload.tx_bytes(spec["interface"])
     workload.write_json(workload.phase_result_path(spec["sync_dir"], host, phase), {
         "step_times_s": times,
