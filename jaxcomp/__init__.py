@@ -14,8 +14,8 @@ from jaxcomp import wire as wire
 from jaxcomp.base import Compressor as Compressor
 from jaxcomp.dense import allreduce as allreduce
 from jaxcomp.dense import cast as cast
-from jaxcomp.dgc import DGCState as DGCState
-from jaxcomp.dgc import dgc as dgc
+from jaxcomp.deep_gradient_compression import DGCState as DGCState
+from jaxcomp.deep_gradient_compression import dgc as dgc
 from jaxcomp.lowrank import ACPSGDState as ACPSGDState
 from jaxcomp.lowrank import PowerSGDState as PowerSGDState
 from jaxcomp.lowrank import acpsgd as acpsgd

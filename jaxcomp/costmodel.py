@@ -84,7 +84,7 @@ METHODS: dict[str, Method] = {
     "topk": Method("jaxcomp.sparsify", "topk", {"density": 0.001}),
     "gtopk": Method("jaxcomp.sparsify", "gtopk", {"density": 0.001}),
     "randomk": Method("jaxcomp.sparsify", "randomk", {"density": 0.01}),
-    "dgc": Method("jaxcomp.dgc", "dgc", {"density": 0.001}),
+    "dgc": Method("jaxcomp.deep_gradient_compression", "dgc", {"density": 0.001}),
     "signsgd": Method("jaxcomp.quantize", "signsgd", {}),
     "powersgd": Method("jaxcomp.lowrank", "powersgd", {"rank": 4}),
     "acpsgd": Method("jaxcomp.lowrank", "acpsgd", {"rank": 4}),

@@ -10,7 +10,7 @@ was not sent.
 
 The local selections live here too: :func:`select_topk` (exact, ``lax.top_k``)
 and :func:`sampled_topk` (Deep Gradient Compression's sampled threshold,
-used by :func:`jaxcomp.dgc.dgc`).
+used by :func:`jaxcomp.dgc`).
 """
 
 from __future__ import annotations

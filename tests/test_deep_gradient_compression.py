@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jaxcomp import dense
-from jaxcomp import dgc
+from jaxcomp import deep_gradient_compression as dgc
 from jaxcomp import training
 from jaxcomp import wire
 
