@@ -234,47 +234,46 @@ def markdown(args, sparse, lowrank, torus) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(sparse, torus, out: pathlib.Path) -> list[pathlib.Path]:
+def _exchange_plot(path: pathlib.Path, workers, series: dict, title: str) -> pathlib.Path:
+  """Exchange time per step against P, log-log, one line per ``series`` entry."""
   import matplotlib
 
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
 
-  paths = []
-  rows = sparse["resnet50"]
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for name, label in (("allreduce", "dense S-SGD, O(n)"), ("topk", "Top-k, O(kP)"),
-                      ("gtopk", "gTop-k, O(k log P)")):
-    ax.plot(list(rows), [rows[p][name]["exchange_s"] for p in rows], marker="o", label=label)
+  for label, seconds in series.items():
+    ax.plot(list(workers), seconds, marker="o", label=label)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("workers P")
   ax.set_ylabel("exchange per step (s)")
-  ax.set_title("ResNet-50 at 1 Gbit/s, density 0.001 (cost model)")
+  ax.set_title(title)
   ax.grid(alpha=0.3, which="both")
   ax.legend()
   fig.tight_layout()
-  paths.append(out / "scaling_sparse.png")
-  fig.savefig(paths[-1], dpi=120)
+  fig.savefig(path, dpi=120)
   plt.close(fig)
+  return path
 
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  ax.plot(list(torus), [r["flat"]["exchange_s"] for r in torus.values()], marker="o",
-          label="flat ring")
-  ax.plot(list(torus), [r["torus"]["exchange_s"] for r in torus.values()], marker="o",
-          label="2D torus")
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
-  ax.set_xlabel("workers P")
-  ax.set_ylabel("exchange per step (s)")
-  ax.set_title("ResNet-50 fp16 all-reduce, flat ring vs 2D torus (cost model)")
-  ax.grid(alpha=0.3, which="both")
-  ax.legend()
-  fig.tight_layout()
-  paths.append(out / "scaling_torus.png")
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
-  return paths
+
+def plot(sparse, torus, out: pathlib.Path) -> list[pathlib.Path]:
+  rows = sparse["resnet50"]
+  sparse_series = {
+      label: [rows[p][name]["exchange_s"] for p in rows]
+      for name, label in (("allreduce", "dense S-SGD, O(n)"), ("topk", "Top-k, O(kP)"),
+                          ("gtopk", "gTop-k, O(k log P)"))
+  }
+  torus_series = {
+      label: [r[kind]["exchange_s"] for r in torus.values()]
+      for kind, label in (("flat", "flat ring"), ("torus", "2D torus"))
+  }
+  return [
+      _exchange_plot(out / "scaling_sparse.png", rows, sparse_series,
+                     "ResNet-50 at 1 Gbit/s, density 0.001 (cost model)"),
+      _exchange_plot(out / "scaling_torus.png", torus, torus_series,
+                     "ResNet-50 fp16 all-reduce, flat ring vs 2D torus (cost model)"),
+  ]
 
 
 def parser() -> argparse.ArgumentParser:
