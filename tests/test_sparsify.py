@@ -544,3 +544,104 @@ def test_inside_multisteps(mesh8):
   assert_same_on_devices(out)
   want = -np.mean([(flat(first_grads, d) + flat(second_grads, d)) / 2 for d in range(8)], 0)
   np.testing.assert_allclose(flat(out, 0), want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ exact selection
+
+
+def _exact_topk(x, capacity, seed=0, ratio=None):
+  select = jax.jit(lambda x, key: sparsify.exact_topk(x, capacity, key, ratio))
+  return select(jnp.asarray(x), jax.random.key(seed))
+
+
+def _assert_same_as_lax_top_k(x, capacity, values, indices):
+  """The set ``lax.top_k`` selects (ties and NaN ordered alike), in index order."""
+  x = np.asarray(x)
+  _, want = jax.lax.top_k(jnp.abs(jnp.asarray(x)), capacity)
+  want = np.sort(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(indices), want)
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint32), x[want].view(np.uint32))
+
+
+@pytest.mark.parametrize("n,k", [(65536, 400), (300_000, 300), (2**20, 1049)])
+def test_exact_topk_takes_the_sampled_path_and_is_exact(n, k):
+  x = np.random.default_rng(n).normal(size=n).astype(np.float32)
+  candidates = sparsify.candidate_capacity(n, k)
+  ratio = sparsify.exact_sample_ratio(n, k)
+  _, total = sparsify.threshold_candidates(
+      jnp.asarray(x), k, jax.random.key(0), ratio, candidates)
+  assert k <= int(total) <= candidates  # the fast branch, not the fallback
+  values, indices = _exact_topk(x, k)
+  _assert_same_as_lax_top_k(x, k, values, indices)
+
+
+def test_exact_topk_falls_back_and_is_still_exact():
+  n, k = 4096, 40
+  # Equal magnitudes: far more candidates than the buffer holds.
+  x = np.ones(n, np.float32)
+  x[[7, 100, 2000]] = [-3.0, 3.0, 2.0]
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.1))
+  # A few large entries the sample misses: fewer candidates than k.
+  y = np.zeros(n, np.float32)
+  y[np.arange(0, 4 * k, 4)] = np.arange(1, k + 1)
+  _assert_same_as_lax_top_k(y, k, *_exact_topk(y, k, seed=1, ratio=0.01))
+
+
+def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
+  n, k = 8192, 64
+  x = np.random.default_rng(5).normal(size=n).astype(np.float32)
+  x[[3, 900]] = np.inf
+  x[[17, 4000]] = -np.inf
+  x[[50, 5000]] = np.nan
+  x[6000] = -np.nan
+  x[[60, 61, 62]] = np.float32(5.0)  # ties at the cut are not the issue here
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.05))
+  # Ties at the cut: the lower indices win, as in lax.top_k.
+  z = np.zeros(n, np.float32)
+  z[::3] = 1.0
+  z[[10, 11]] = -2.0
+  _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
+
+
+def test_exact_topk_of_everything_is_every_index():
+  x = np.random.default_rng(6).normal(size=100).astype(np.float32)
+  values, indices = _exact_topk(x, 100)
+  np.testing.assert_array_equal(np.asarray(indices), np.arange(100))
+  np.testing.assert_array_equal(np.asarray(values), x)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    n=st.integers(64, 6000),
+    density=st.sampled_from([0.001, 0.01, 0.1, 0.5]),
+    levels=st.sampled_from([3, 50, None]),
+    seed=st.integers(0, 2**16),
+    ratio=st.sampled_from([0.01, 0.1, 0.5]),
+)
+def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
+  """Any data (few distinct magnitudes: many ties), any sample: the set of lax.top_k."""
+  rng = np.random.default_rng(seed)
+  if levels is None:
+    x = rng.normal(size=n).astype(np.float32)
+  else:
+    x = (rng.integers(-levels, levels + 1, size=n) / levels).astype(np.float32)
+  k = max(1, math.ceil(density * n))
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, seed=seed, ratio=ratio))
+
+
+def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
+  """topk and gtopk through exact_topk agree bit for bit with the lax.top_k path."""
+  n = 20_000
+  grads = device_grads(8, seed=2, shapes={"g": (n,)})
+  for name in ("topk", "gtopk", "randomk"):
+    results = []
+    for fast_min in (n, n + 1):  # exact_topk, then lax.top_k
+      monkeypatch.setattr(sparsify, "EXACT_FAST_MIN", fast_min)
+      tx = COMPRESSORS[name](0.01, "data")
+      state = training.stack_per_device(tx.init({"g": jnp.zeros(n)}), mesh8, "data")
+      step = sharded_update(tx, mesh8)
+      out, new = step(grads, state)
+      out, new = step(device_grads(8, seed=3, shapes={"g": (n,)}), new)
+      results.append(jax.tree.leaves((out, new)))
+    for a, b in zip(*results):
+      np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
