@@ -150,9 +150,21 @@ def _refill(new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(jnp.all(new == 0, axis=-2, keepdims=True), old, new)
 
 
-def _products(p_factors, q_factors) -> jax.Array:
-  """``P Q^T`` of every group, flat in the order of :attr:`MatrixView.lowrank`."""
-  return _join([jnp.einsum("gmr,gnr->gmn", p, q) for p, q in zip(p_factors, q_factors)])
+def _products(p_factors, q_factors) -> list[jax.Array]:
+  """``P Q^T`` of every compressed leaf, ``[rows, cols]`` each, in the order of :attr:`MatrixView.lowrank`.
+
+  One product per leaf, not per group: each is written straight into its
+  leaf of the result or of the residual, where a group's product (and their
+  concatenation) would be n-sized buffers to copy from, fresh every step.
+  """
+  return [jnp.einsum("mr,nr->mn", p[i], q[i])
+          for p, q in zip(p_factors, q_factors) for i in range(p.shape[0])]
+
+
+def _absorb(view: MatrixView, corrected: jax.Array, sent, residual):
+  """:func:`error_feedback.absorb` with ``sent`` given leaf by leaf (:func:`_products`)."""
+  kept = [c - s.reshape(c.shape) for c, s in zip(view.lowrank.split(corrected), sent)]
+  return fusion.scatter_leaves(residual, dict(zip(view.lowrank.leaves, kept)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -197,15 +209,18 @@ def _check_seed(seed: int) -> int:
   return seed
 
 
-def _rebuild(view: MatrixView, updates, approx: jax.Array, dense_mean: jax.Array):
-  """``updates`` with the low-rank leaves set to ``approx`` and the others to ``dense_mean``.
+def _rebuild(view: MatrixView, updates, approx, dense_mean: jax.Array):
+  """``updates`` with the low-rank leaves set to ``approx`` (:func:`_products`) and the others to ``dense_mean``.
 
-  The step's finiteness is read from the flat ``approx`` and ``dense_mean``,
-  not from the leaves: one reduction per leaf of a fused buffer makes XLA's
-  compile time grow with the square of the number of leaves (minutes on
-  ResNet-50), one per buffer does not.
+  The step's finiteness is read from ``approx`` and the flat ``dense_mean``,
+  not from the dense leaves: one reduction per leaf of a fused buffer makes
+  XLA's compile time grow with the square of the number of leaves (minutes
+  on ResNet-50), one per buffer does not.
   """
-  out = view.lowrank.unflatten(approx, like=updates)
+  lowrank = view.lowrank
+  out = fusion.scatter_leaves(updates, {
+      i: a.reshape(shape).astype(dtype)
+      for i, a, shape, dtype in zip(lowrank.leaves, approx, lowrank.shapes, lowrank.dtypes)})
   return view.dense.unflatten(dense_mean, like=out)
 
 
@@ -332,7 +347,7 @@ def powersgd(
     result = _rebuild(view, updates, approx, dense_mean)
     new_state = PowerSGDState(
         count=base.safe_increment(state.count),
-        residual=error_feedback.absorb(view.lowrank, corrected, sent, state.residual),
+        residual=_absorb(view, corrected, sent, state.residual),
         q=_join([_refill(new, old) for new, old in zip(
             view.q_factors(q_mean), view.q_factors(q_start))]),
         rng_key=jax.random.key_data(key),
@@ -445,12 +460,16 @@ def acpsgd(
     dense = view.dense.flatten(updates)
     p_old, q_old = view.p_factors(state.p), view.q_factors(state.q)
 
+    # The branches return factors only, (P, Q) of the mean and of this
+    # device's contribution: the n-sized products are made once, after the
+    # cond, straight into the result and the residual (a cond's n-sized
+    # outputs would be fresh buffers, copied from).
     def p_step(matrices):
       local = [jnp.einsum("gmn,gnr->gmr", m, q) for m, q in zip(matrices, q_old)]
       reduced = _mean(base.poison(jnp.concatenate([_join(local), dense]), finite), axes)
       p_mean = view.p_factors(reduced[:view.p_size])
       new_p = _join([_orthonormalize(_refill(new, old)) for new, old in zip(p_mean, p_old)])
-      return (_products(p_mean, q_old), _products(local, q_old),
+      return (reduced[:view.p_size], state.q, _join(local), state.q,
               reduced[view.p_size:], new_p, state.q)
 
     def q_step(matrices):
@@ -458,15 +477,17 @@ def acpsgd(
       reduced = _mean(base.poison(jnp.concatenate([_join(local), dense]), finite), axes)
       q_mean = view.q_factors(reduced[:view.q_size])
       new_q = _join([_orthonormalize(_refill(new, old)) for new, old in zip(q_mean, q_old)])
-      return (_products(p_old, q_mean), _products(p_old, local),
+      return (state.p, reduced[:view.q_size], state.p, _join(local),
               reduced[view.q_size:], state.p, new_q)
 
-    approx, sent, dense_mean, new_p, new_q = lax.cond(
+    p_mean, q_mean, p_sent, q_sent, dense_mean, new_p, new_q = lax.cond(
         state.count % 2 == 0, p_step, q_step, view.matrices(corrected))
+    approx = _products(view.p_factors(p_mean), view.q_factors(q_mean))
+    sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
     result = _rebuild(view, updates, approx, dense_mean)
     new_state = ACPSGDState(
         count=base.safe_increment(state.count),
-        residual=error_feedback.absorb(view.lowrank, corrected, sent, state.residual),
+        residual=_absorb(view, corrected, sent, state.residual),
         p=new_p,
         q=new_q,
     )
