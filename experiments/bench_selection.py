@@ -9,8 +9,10 @@ measured in the same run, and recall against the exact ``lax.top_k``:
 * ``sampled threshold``: DGC's selection,
   :func:`jaxcomp.sparsify.sampled_topk` (threshold from a sample, one-pass
   compaction, exact top-k among the candidates, ``lax.top_k`` fallback);
-* ``threshold + nonzero``: the naive compaction of the same threshold with
-  ``jnp.nonzero(size=...)``, for comparison.
+* ``exact_topk``: :func:`jaxcomp.sparsify.exact_topk`, the same sampled
+  threshold with a ``lax.top_k`` fallback whenever fewer than k entries pass
+  it: always the entries of ``lax.top_k`` (what topk and gtopk use on large
+  buckets).
 
 Usage::
 
@@ -74,11 +76,14 @@ def main(argv=None) -> None:
       lambda x, key: sparsify.sampled_topk(x, k, k, key, args.sample_ratio)[1]
   )
 
+  exact_topk_fn = jax.jit(lambda x: sparsify.exact_topk(x, k)[1])
+
   exact = np.asarray(exact_fn(x))
   rows = [
       ("lax.top_k", exact_fn, (x,)),
       ("lax.approx_max_k", approx_fn, (x,)),
       (f"sampled threshold ({args.sample_ratio:g})", sampled_fn, (x, key)),
+      ("exact_topk", exact_topk_fn, (x,)),
   ]
   results = []
   for name, fn, fn_args in rows:
