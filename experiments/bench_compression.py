@@ -22,7 +22,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from experiments import shapes
 from jaxcomp import dense
@@ -65,17 +64,9 @@ def compressors(rank: int, density: float) -> dict[str, Callable[[], object]]:
 def time_update(tx, grads, repeats: int) -> tuple[float, float]:
   """``(compile seconds, median seconds per step)`` of ``tx.update`` on one device."""
   mesh = training.make_mesh(1)
-  spec = PartitionSpec(AXIS)
-
-  def per_device(g, state):
-    state = jax.tree.map(lambda x: x[0], state)
-    out, state = tx.update(g, state)
-    return out, jax.tree.map(lambda x: x[None], state)
-
-  step = jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=(PartitionSpec(), spec),
-      out_specs=(PartitionSpec(), spec), check_vma=False), donate_argnums=1)
+  step = training.make_update(tx, mesh, AXIS, donate=True)
   state = training.init_state(tx, grads, mesh, AXIS)
+  grads = training.stack_per_device(grads, mesh, AXIS)
   start = time.perf_counter()
   out, state = step(grads, state)
   jax.block_until_ready((out, state))

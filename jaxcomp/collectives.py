@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

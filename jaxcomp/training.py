@@ -120,6 +120,7 @@ def make_update(
     axis_name: base.AxisName,
     *,
     wrap: Optional[Callable[[Callable], Callable]] = None,
+    donate: bool = False,
 ) -> Callable:
   """``tx.update`` alone, jitted over ``mesh``: ``update(grads, opt_state)``.
 
@@ -132,6 +133,8 @@ def make_update(
     axis_name: the data axis, or a pair of axes for the 2D torus.
     wrap: applied to the per-device function before ``shard_map`` (for
       instance ``lambda f: chex.assert_max_traces(f, n=1)``).
+    donate: donate the state's buffers (the residuals are updated in place,
+      as inside :func:`make_step`).
 
   Returns:
     ``update(grads, opt_state) -> (updates, opt_state)``: arguments and
@@ -147,8 +150,10 @@ def make_update(
 
   body = per_device if wrap is None else wrap(per_device)
   # check_vma=False: see make_step.
-  return jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
+  return jax.jit(
+      jax.shard_map(
+          body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False),
+      donate_argnums=(1,) if donate else ())
 
 
 def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):

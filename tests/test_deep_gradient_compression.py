@@ -41,17 +41,8 @@ def flat(tree, device=None):
 
 
 def sharded_update(tx, mesh, axis="data", wrap=None):
-  def per_device(grads, state):
-    first = lambda t: jax.tree.map(lambda x: x[0], t)
-    out, new_state = tx.update(first(grads), first(state))
-    add = lambda t: jax.tree.map(lambda x: x[None], t)
-    return add(out), add(new_state)
-
-  body = per_device if wrap is None else wrap(per_device)
-  spec = PartitionSpec(axis)
-  return jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False
-  ))
+  """jit(shard_map) of ``tx.update`` over stacked grads and states."""
+  return training.make_update(tx, mesh, axis, wrap=wrap)
 
 
 def assert_same_on_devices(out):

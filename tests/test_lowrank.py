@@ -5,7 +5,6 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 import numpy as np
 import optax
 import pytest
@@ -55,19 +54,8 @@ def _per_device_normal(seed, devices=8, dtype=jnp.float32):
 
 def _step_fn(tx, mesh, axis, max_traces=None):
   """jit(shard_map(update)) over stacked per-device gradients and state."""
-  spec = PartitionSpec(axis)
-
-  def per_device(grads, state):
-    grads, state = jax.tree.map(lambda x: x[0], (grads, state))
-    out = tx.update(grads, state)
-    return jax.tree.map(lambda x: x[None], out)
-
-  if max_traces is not None:
-    per_device = chex.assert_max_traces(per_device, n=max_traces)
-
-  return jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
-      check_vma=False))
+  wrap = None if max_traces is None else (lambda f: chex.assert_max_traces(f, n=max_traces))
+  return training.make_update(tx, mesh, axis, wrap=wrap)
 
 
 @functools.lru_cache(maxsize=None)

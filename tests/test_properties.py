@@ -95,7 +95,6 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
 )
 def test_topk_every_coordinate_is_sent_or_kept(shape, density, seed):
   """Per device: the new residual is the corrected gradient less exactly ``k`` of its entries."""
-  mesh = training.make_mesh(8)
   tx = sparsify.topk(density, "data")
   rng = np.random.default_rng(seed)
   grads = {"g": rng.normal(size=(8,) + shape).astype(np.float32)}

@@ -43,24 +43,9 @@ def device_grads(num, seed=0, dtype=jnp.float32, shapes=SHAPES):
   }
 
 
-def spec_of(axis):
-  return PartitionSpec(axis)
-
-
 def sharded_update(tx, mesh, axis="data", wrap=None):
   """jit(shard_map) of ``tx.update`` over stacked grads and states."""
-
-  def per_device(grads, state):
-    first = lambda t: jax.tree.map(lambda x: x[0], t)
-    out, new_state = tx.update(first(grads), first(state))
-    add = lambda t: jax.tree.map(lambda x: x[None], t)
-    return add(out), add(new_state)
-
-  body = per_device if wrap is None else wrap(per_device)
-  spec = spec_of(axis)
-  return jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False
-  ))
+  return training.make_update(tx, mesh, axis, wrap=wrap)
 
 
 def flat(tree, device=None):

@@ -40,31 +40,10 @@ import numpy as np  # noqa: E402
 from experiments import shapes as shapes_lib  # noqa: E402
 from experiments.netbench import workload  # noqa: E402
 from jaxcomp import costmodel  # noqa: E402
+from jaxcomp import training  # noqa: E402
 from jaxcomp import wire  # noqa: E402
 
 AXIS = "data"
-
-
-def _per_device(tx):
-  """The body of a user's step: one device's gradient in, the mean out."""
-
-  def body(grads, state):
-    grads = jax.tree.map(lambda x: x[0], grads)
-    state = jax.tree.map(lambda x: x[0], state)
-    mean, state = tx.update(grads, state, grads)
-    add_axis = lambda x: jnp.expand_dims(x, 0)
-    return jax.tree.map(add_axis, mean), jax.tree.map(add_axis, state)
-
-  return body
-
-
-def _step(tx, mesh):
-  spec = PartitionSpec(AXIS)
-  return jax.jit(
-      jax.shard_map(_per_device(tx), mesh=mesh, in_specs=(spec, spec),
-                    out_specs=(spec, spec), check_vma=False),
-      donate_argnums=(1,),
-  )
 
 
 def _stacked(tree, mesh):
@@ -118,7 +97,7 @@ def run(spec: dict) -> dict:
   global_grads = _stacked(grads, mesh)
   state = _stacked(tx.init(grads), mesh)
   start = time.perf_counter()
-  step = _step(tx, mesh).lower(global_grads, state).compile()
+  step = training.make_update(tx, mesh, AXIS, donate=True).lower(global_grads, state).compile()
   compile_s = time.perf_counter() - start
   counted = wire.collective_bytes(step)
 
@@ -146,7 +125,8 @@ def run(spec: dict) -> dict:
   alone = Mesh(np.array(jax.local_devices()[:1]), (AXIS,))
   local_grads = _stacked(grads, alone)
   local_state = _stacked(tx.init(grads), alone)
-  local_step = _step(tx, alone).lower(local_grads, local_state).compile()
+  local_step = training.make_update(tx, alone, AXIS, donate=True).lower(
+      local_grads, local_state).compile()
   _, _, local_state = _timed(local_step, local_grads, local_state, barrier, 1)
   compute, _, _ = _timed(local_step, local_grads, local_state, barrier, spec["compute_steps"])
   barrier()
