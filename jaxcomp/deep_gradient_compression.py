@@ -263,8 +263,8 @@ def dgc(
         values, indices = sparsify.select_topk(velocity, cap, k)
       else:
         values, indices = sparsify.sampled_topk(velocity, cap, k, draw, sample_ratio)
-      sent = collectives.densify(values, indices, n)
-      residual = error_feedback.absorb(sparse, velocity, sent, state.residual)
+      # The values sent are the velocity's own at `indices`: masking them.
+      residual = error_feedback.absorb_sent(sparse, velocity, indices, state.residual)
       masked = u.at[indices].set(0.0, mode="drop")
       new_momentum.update(zip(sparse.leaves, sparse.split(masked)))
       all_values, all_indices = collectives.sparse_allgather(

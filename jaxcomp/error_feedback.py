@@ -48,6 +48,28 @@ def absorb(
   )
 
 
+def absorb_sent(
+    bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array, residual: optax.Params
+) -> optax.Params:
+  """:func:`absorb` of a sparse ``sent``: ``corrected`` at ``indices``, 0 elsewhere.
+
+  ``corrected - sent`` is then ``corrected`` with those entries zeroed
+  (``c - c`` is 0, ``c - 0`` is ``c``), so it is a scatter of zeros into
+  ``corrected``, not two more ``n``-sized buffers (the dense ``sent`` and the
+  difference), each of which costs a pass and, fresh every step, a page fault
+  per 4 KiB. Empty slots (index ``collectives.EMPTY_INDEX``, past ``n``) are
+  dropped.
+
+  Args:
+    bucket: the fused leaves.
+    corrected: ``f32[bucket.size]``, the gradient plus the old residual.
+    indices: ``int32[k]``, the coordinates sent with their ``corrected`` values.
+    residual: the residual pytree to update.
+  """
+  kept = corrected.at[indices].set(0.0, mode="drop")
+  return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, bucket.split(kept))))
+
+
 def check_matches(updates: chex.ArrayTree, residual: chex.ArrayTree) -> None:
   """A clear ``ValueError`` when ``updates`` are not shaped like the state's parameters."""
   fusion.check_same_structure(updates, residual, "parameters")

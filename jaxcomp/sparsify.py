@@ -400,19 +400,6 @@ def raw_key(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(seed))
 
 
-def _absorb_sent(bucket, corrected, indices, residual):
-  """:func:`error_feedback.absorb` of what was sent: ``corrected`` at ``indices``.
-
-  ``corrected - sent`` is ``corrected`` with those entries zeroed (``c - c``
-  is 0, ``c - 0`` is ``c``), so it is a scatter of zeros into ``corrected``,
-  not two more ``n``-sized buffers (the dense ``sent`` and the difference),
-  each of which costs a pass and, fresh every step, a page fault per 4 KiB.
-  Empty slots (``EMPTY_INDEX``) are dropped.
-  """
-  kept = corrected.at[indices].set(0.0, mode="drop")
-  return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, bucket.split(kept))))
-
-
 def _group_size(axes) -> int:
   return math.prod(base.axis_sizes(axes))
 
@@ -487,7 +474,7 @@ def topk(
     result = bucket.unflatten(mean, like=updates)
     residual = state.residual
     if use_residual:
-      residual = _absorb_sent(bucket, corrected, indices, state.residual)
+      residual = error_feedback_lib.absorb_sent(bucket, corrected, indices, state.residual)
     new_state = TopKState(count=base.safe_increment(state.count), residual=residual)
     return result, base.keep_if_finite(result, new_state, state)
 
@@ -567,7 +554,7 @@ def gtopk(density: float, axis_name: base.AxisName) -> base.Compressor:
     result = bucket.unflatten(mean, like=updates)
     new_state = GTopKState(
         count=base.safe_increment(state.count),
-        residual=_absorb_sent(bucket, corrected, sent, state.residual),
+        residual=error_feedback_lib.absorb_sent(bucket, corrected, sent, state.residual),
     )
     return result, base.keep_if_finite(result, new_state, state)
 
@@ -658,7 +645,7 @@ def randomk(density: float, axis_name: base.AxisName, seed: int = 0) -> base.Com
     result = bucket.unflatten(mean, like=updates)
     new_state = RandomKState(
         count=base.safe_increment(state.count),
-        residual=_absorb_sent(bucket, corrected, indices, state.residual),
+        residual=error_feedback_lib.absorb_sent(bucket, corrected, indices, state.residual),
         rng_key=jax.random.key_data(next_key),
     )
     return result, base.keep_if_finite(result, new_state, state)
