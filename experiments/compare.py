@@ -445,9 +445,11 @@ def markdown(report: dict) -> str:
       f" Evaluated on the {config['evaluated_on']} split ({config['eval_examples']} examples)."
       f" Wall time of the run: {config['wall_time_s']:.0f} s on {config['cpu_count']} cores"
       f" ({config['process_cpu_s']:.0f} s of CPU time; 1-minute load average"
-      f" {config['load_average_1min'][0]:.1f} at the start and"
-      f" {config['load_average_1min'][1]:.1f} at the end: above the core count, other jobs"
-      " shared the cores).",
+      f" {config['load_average_1min'][0]:.1f} at the start"
+      + (", above the core count: other jobs shared the cores"
+         if config["load_average_1min"][0] > config["cpu_count"] else ", a quiet machine")
+      + f"; {config['load_average_1min'][1]:.1f} at the end, the run's own threads"
+      " included).",
       "",
       f"| method | configuration | {metric} | vs dense | final loss | bytes/step"
       " | vs dense | compression ratio | step time (s) | vs dense | predicted step (s) | vs dense |",
