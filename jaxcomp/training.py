@@ -81,8 +81,14 @@ def num_replicas(mesh: Mesh, axis_name: base.AxisName) -> int:
 
 
 def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
-  """``tree`` placed whole on every device of ``mesh`` (parameters)."""
-  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+  """``tree`` placed whole on every device of ``mesh`` (parameters).
+
+  Always a copy: :func:`make_step` donates the parameters, which must not
+  delete the caller's own arrays (``device_put`` keeps the caller's buffer as
+  one device's shard, whatever ``may_alias`` says).
+  """
+  copied = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+  return jax.device_put(copied, NamedSharding(mesh, PartitionSpec()))
 
 
 def shard(batch: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
