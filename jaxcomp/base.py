@@ -15,6 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
 
 AxisName = Union[str, tuple[str, str]]
@@ -144,6 +145,20 @@ def check_density(density: float) -> float:
   if not (0.0 < density <= 1.0):  # also rejects NaN
     raise ValueError(f"`density` must be in (0, 1], got {density}")
   return float(density)
+
+
+def check_seed(seed) -> int:
+  """``seed`` must be a non-negative int (a PRNG seed)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise TypeError(f"`seed` must be an int in [0, 2**32), got {seed!r}")
+  if not 0 <= int(seed) < 2**32:
+    raise ValueError(f"`seed` must be in [0, 2**32), got {seed}")
+  return int(seed)
+
+
+def raw_key(seed: int) -> jax.Array:
+  """The uint32 key data of ``jax.random.key(seed)`` (what a state stores)."""
+  return jax.random.key_data(jax.random.key(seed))
 
 
 def num_selected(density: float, n: int) -> int:

@@ -207,14 +207,14 @@ def dgc(
   momentum, nesterov, clip_norm, warmup_steps, sample_ratio, where = _check_args(
       momentum, nesterov, clip_norm, warmup_steps, sample_ratio, sparse_leaves
   )
-  seed = sparsify.check_seed(seed)
+  seed = base.check_seed(seed)
 
   def init_fn(params):
     return DGCState(
         count=base.zero_count(),
         residual=error_feedback.init(params),
         momentum=error_feedback.init(params),
-        rng_key=sparsify.raw_key(seed),
+        rng_key=base.raw_key(seed),
     )
 
   def accumulate(u, g):

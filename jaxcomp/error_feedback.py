@@ -70,6 +70,19 @@ def absorb_sent(
   return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, bucket.split(kept))))
 
 
+def absorb_leaves(
+    bucket: fusion.Bucket, corrected: jax.Array, sent: list[jax.Array], residual: optax.Params
+) -> optax.Params:
+  """:func:`absorb` of a ``sent`` given leaf by leaf (any shape of each leaf's size).
+
+  The low-rank methods make ``sent`` one product per leaf; each leaf of the
+  residual is then ``corrected - sent`` directly, without concatenating
+  ``sent`` into one more ``n``-sized buffer.
+  """
+  kept = [c - s.reshape(c.shape) for c, s in zip(bucket.split(corrected), sent)]
+  return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, kept)))
+
+
 def check_matches(updates: chex.ArrayTree, residual: chex.ArrayTree) -> None:
   """A clear ``ValueError`` when ``updates`` are not shaped like the state's parameters."""
   fusion.check_same_structure(updates, residual, "parameters")

@@ -161,12 +161,6 @@ def _products(p_factors, q_factors) -> list[jax.Array]:
           for p, q in zip(p_factors, q_factors) for i in range(p.shape[0])]
 
 
-def _absorb(view: MatrixView, corrected: jax.Array, sent, residual):
-  """:func:`error_feedback.absorb` with ``sent`` given leaf by leaf (:func:`_products`)."""
-  kept = [c - s.reshape(c.shape) for c, s in zip(view.lowrank.split(corrected), sent)]
-  return fusion.scatter_leaves(residual, dict(zip(view.lowrank.leaves, kept)))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_factors(view: MatrixView, seed: int) -> tuple[jax.Array, jax.Array]:
   """Orthonormal Gaussian ``P`` and ``Q`` buffers drawn from ``seed`` (same on every device)."""
@@ -199,14 +193,6 @@ def _check_min_compression_rate(rate: float) -> float:
   if not rate >= 1.0:  # also rejects NaN
     raise ValueError(f"`min_compression_rate` must be >= 1, got {rate}")
   return float(rate)
-
-
-def _check_seed(seed: int) -> int:
-  if isinstance(seed, bool) or not isinstance(seed, int):
-    raise TypeError(f"`seed` must be an int, got {seed!r}")
-  if not 0 <= seed < 2**32:
-    raise ValueError(f"`seed` must be in [0, 2**32), got {seed}")
-  return seed
 
 
 def _rebuild(view: MatrixView, updates, approx, dense_mean: jax.Array):
@@ -309,7 +295,7 @@ def powersgd(
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
   if not isinstance(warm_start, bool):
     raise TypeError(f"`warm_start` must be a bool, got {warm_start!r}")
-  seed = _check_seed(seed)
+  seed = base.check_seed(seed)
 
   def init_fn(params: optax.Params) -> PowerSGDState:
     view = MatrixView.of(params, rank, min_compression_rate)
@@ -318,7 +304,7 @@ def powersgd(
         count=base.zero_count(),
         residual=error_feedback.init(params),
         q=q,
-        rng_key=jax.random.key_data(jax.random.key(seed)),
+        rng_key=base.raw_key(seed),
     )
 
   def update_fn(updates, state: PowerSGDState, params=None):
@@ -347,7 +333,7 @@ def powersgd(
     result = _rebuild(view, updates, approx, dense_mean)
     new_state = PowerSGDState(
         count=base.safe_increment(state.count),
-        residual=_absorb(view, corrected, sent, state.residual),
+        residual=error_feedback.absorb_leaves(view.lowrank, corrected, sent, state.residual),
         q=_join([_refill(new, old) for new, old in zip(
             view.q_factors(q_mean), view.q_factors(q_start))]),
         rng_key=jax.random.key_data(key),
@@ -443,7 +429,7 @@ def acpsgd(
   rank = _check_rank(rank)
   axes = base.check_axis_name(axis_name)
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
-  seed = _check_seed(seed)
+  seed = base.check_seed(seed)
 
   def init_fn(params: optax.Params) -> ACPSGDState:
     view = MatrixView.of(params, rank, min_compression_rate)
@@ -487,7 +473,7 @@ def acpsgd(
     result = _rebuild(view, updates, approx, dense_mean)
     new_state = ACPSGDState(
         count=base.safe_increment(state.count),
-        residual=_absorb(view, corrected, sent, state.residual),
+        residual=error_feedback.absorb_leaves(view.lowrank, corrected, sent, state.residual),
         p=new_p,
         q=new_q,
     )

@@ -11,8 +11,7 @@ was not sent.
 The local selections live here too: :func:`select_topk` (exact, ``lax.top_k``),
 :func:`exact_topk` (the same entries by a sampled threshold with an exact
 fallback, what the sparsifiers use on large buckets) and :func:`sampled_topk`
-(Deep Gradient Compression's sampled threshold,
-used by :func:`jaxcomp.dgc`).
+(Deep Gradient Compression's sampled threshold, used by :func:`jaxcomp.dgc`).
 """
 
 from __future__ import annotations
@@ -386,20 +385,6 @@ def _check_bool(value, name: str) -> bool:
   return bool(value)
 
 
-def check_seed(seed) -> int:
-  """``seed`` must be a non-negative int (a PRNG seed)."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise TypeError(f"`seed` must be an int in [0, 2**32), got {seed!r}")
-  if not 0 <= int(seed) < 2**32:
-    raise ValueError(f"`seed` must be in [0, 2**32), got {seed}")
-  return int(seed)
-
-
-def raw_key(seed: int) -> jax.Array:
-  """The uint32 key data of ``jax.random.key(seed)`` (what a state stores)."""
-  return jax.random.key_data(jax.random.key(seed))
-
-
 def _group_size(axes) -> int:
   return math.prod(base.axis_sizes(axes))
 
@@ -620,13 +605,13 @@ def randomk(density: float, axis_name: base.AxisName, seed: int = 0) -> base.Com
   """
   density = base.check_density(density)
   axes = base.check_axis_name(axis_name)
-  seed = check_seed(seed)
+  seed = base.check_seed(seed)
 
   def init_fn(params):
     return RandomKState(
         count=base.zero_count(),
         residual=error_feedback_lib.init(params),
-        rng_key=raw_key(seed),
+        rng_key=base.raw_key(seed),
     )
 
   def update_fn(updates, state, params=None):
