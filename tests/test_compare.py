@@ -1,6 +1,7 @@
 """`python -m experiments.compare` on a tiny setting, and the committed quick run's goals."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -66,6 +67,20 @@ def test_torus_mesh_in_process(tmp_path):
   assert report["config"]["mesh"] == [2, 4]
   assert row["bytes_per_step"] == row["bytes_per_step_formula"]
   assert set(row["bytes_by_kind"]) == {"reduce-scatter", "all-reduce", "all-gather"}
+
+
+def test_text_task_trains_the_transformer_and_reports_bits_per_char(tmp_path):
+  config = compare.config_from_args(
+      ["--task", "text", "--methods", "allreduce,gtopk", "--steps", "4", "--eval-every", "2",
+       "--out", str(tmp_path), "--no-progress"])
+  report = compare.run(config)
+  assert report["config"]["task"] == "text"
+  for name in ("allreduce", "gtopk"):
+    row = report["methods"][name]
+    assert math.isfinite(row["final_loss"]) and row["bits_per_char"] > 0
+    assert row["bits_per_char"] == pytest.approx(row["final_loss"] / math.log(2))
+    assert row["bytes_per_step"] == row["bytes_per_step_formula"]
+  assert report["methods"]["gtopk"]["bytes_per_step"] < report["methods"]["allreduce"]["bytes_per_step"]
 
 
 def test_help_documents_every_flag():
