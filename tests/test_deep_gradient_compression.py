@@ -12,6 +12,7 @@ import pytest
 from jaxcomp import dense
 from jaxcomp import deep_gradient_compression as dgc
 from jaxcomp import training
+import harness
 from jaxcomp import wire
 
 SHAPES = {"b": (12,), "c": (3, 4, 5), "w": (16, 12)}  # sparse (rank > 1): c, w
@@ -31,27 +32,9 @@ def device_grads(num, seed=0, scale=1.0):
   }
 
 
-def flat(tree, device=None):
-  leaves = jax.tree.leaves(tree)
-  if device is not None:
-    leaves = [x[device] for x in leaves]
-  return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in leaves])
-
-
 def sharded_update(tx, mesh, axis="data", wrap=None):
   """jit(shard_map) of ``tx.update`` over stacked grads and states."""
   return training.make_update(tx, mesh, axis, wrap=wrap)
-
-
-def assert_same_on_devices(out):
-  for leaf in jax.tree.leaves(out):
-    leaf = np.asarray(leaf)
-    for d in range(1, leaf.shape[0]):
-      np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
-
-
-def np_topk(x, k):
-  return np.argsort(-np.abs(x), kind="stable")[:k]
 
 
 def dgc_oracle(grads, state, *, k, m, nesterov=False, clip=None):
@@ -81,7 +64,7 @@ def dgc_oracle(grads, state, *, k, m, nesterov=False, clip=None):
       u[sparse] = m * u[sparse] + g[sparse]
       acc = u[sparse]
     v = acc + e[sparse]
-    idx = np_topk(v, k)
+    idx = harness.np_topk(v, k)
     sent = np.zeros_like(v)
     sent[idx] = v[idx]
     out[sparse] += sent / num
@@ -141,7 +124,7 @@ def test_torus_bytes_and_warmup_capacity():
   # beside the torus all-gather of the 12 dense elements (half of them sent).
   assert got.by_kind["all-gather"] == 7 * 8 * math.ceil(0.25 * N_SPARSE) + 4 * 12 // 2
   out, _ = step(device_grads(8), state)
-  assert_same_on_devices(out)
+  harness.assert_same_on_devices(out)
 
 
 def test_compression_ratio_on_a_small_cnn():
@@ -193,13 +176,13 @@ def test_matches_numpy_over_three_steps(nesterov, mesh8):
   for seed, scale in ((0, 1.0), (1, 3.0), (2, 0.5)):
     grads = device_grads(8, seed=seed, scale=scale)
     out, state = step(grads, state)
-    want, ref = dgc_oracle([flat(grads, d) for d in range(8)], ref, k=k, m=0.9,
+    want, ref = dgc_oracle([harness.flat(grads, d) for d in range(8)], ref, k=k, m=0.9,
                            nesterov=nesterov, clip=20.0)
-    assert_same_on_devices(out)
-    np.testing.assert_allclose(flat(out, 0), want, rtol=1e-5, atol=1e-5)
+    harness.assert_same_on_devices(out)
+    np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-5, atol=1e-5)
     for d in range(8):
-      np.testing.assert_allclose(flat(state.residual, d), ref[d][0], rtol=1e-5, atol=1e-5)
-      np.testing.assert_allclose(flat(state.momentum, d), ref[d][1], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(harness.flat(state.residual, d), ref[d][0], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(harness.flat(state.momentum, d), ref[d][1], rtol=1e-5, atol=1e-5)
 
 
 def test_momentum_correction_accumulates_velocity(mesh8):
@@ -210,10 +193,10 @@ def test_momentum_correction_accumulates_velocity(mesh8):
   grads = device_grads(8, seed=3)
   for _ in range(2):
     _, state = step(grads, state)
-  sparse = lambda t: np.concatenate([flat(t, 4)[s] for s in SPARSE.values()])
+  sparse = lambda t: np.concatenate([harness.flat(t, 4)[s] for s in SPARSE.values()])
   g, e, u = sparse(grads), sparse(state.residual), sparse(state.momentum)
   k = math.ceil(0.01 * N_SPARSE)
-  first = np_topk(g, k)
+  first = harness.np_topk(g, k)
   unsent = np.ones(N_SPARSE, bool)
   unsent[first] = False
   unsent &= e != 0  # not sent at step 2 either
@@ -230,10 +213,10 @@ def test_masking_zeroes_velocity_and_momentum_where_sent(mesh8):
   grads = device_grads(8, seed=4)
   _, state = sharded_update(tx, mesh8)(grads, state)
   for d in (0, 5):
-    g = np.concatenate([flat(grads, d)[s] for s in SPARSE.values()])
-    e = np.concatenate([flat(state.residual, d)[s] for s in SPARSE.values()])
-    u = np.concatenate([flat(state.momentum, d)[s] for s in SPARSE.values()])
-    sent = np_topk(g, k)
+    g = np.concatenate([harness.flat(grads, d)[s] for s in SPARSE.values()])
+    e = np.concatenate([harness.flat(state.residual, d)[s] for s in SPARSE.values()])
+    u = np.concatenate([harness.flat(state.momentum, d)[s] for s in SPARSE.values()])
+    sent = harness.np_topk(g, k)
     assert not np.any(u[sent]) and not np.any(e[sent])
     rest = np.setdiff1d(np.arange(N_SPARSE), sent)
     np.testing.assert_array_equal(u[rest], g[rest])
@@ -249,13 +232,13 @@ def test_clipping_bounds_each_device_norm(mesh8):
   grads = device_grads(8, seed=6, scale=100.0)
   out, state = sharded_update(tx, mesh8)(grads, state)
   for d in range(8):
-    g = flat(grads, d)
-    velocity = flat(state.residual, d)
+    g = harness.flat(grads, d)
+    velocity = harness.flat(state.residual, d)
     sent = velocity == 0
     velocity[sent] = g[sent] * clip / math.sqrt(8) / np.linalg.norm(g)
     # The velocity is the clipped gradient: its norm is clip / sqrt(P).
     np.testing.assert_allclose(np.linalg.norm(velocity), clip / math.sqrt(8), rtol=1e-5)
-  assert np.abs(flat(out, 0)).max() <= clip / math.sqrt(8)
+  assert np.abs(harness.flat(out, 0)).max() <= clip / math.sqrt(8)
 
 
 def test_warmup_density_schedule():
@@ -277,7 +260,7 @@ def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
     grads = device_grads(8, seed=10 + t)
     _, state = step(grads, state)
     # Momentum 0: the momentum is the gradient, zeroed exactly where sent.
-    u = np.concatenate([flat(state.momentum, 2)[s] for s in SPARSE.values()])
+    u = np.concatenate([harness.flat(state.momentum, 2)[s] for s in SPARSE.values()])
     sent_counts.append(int(np.sum(u == 0)))
   want = [math.ceil(dgc.warmup_density(0.02, 8, t) * N_SPARSE) for t in range(10)]
   assert sent_counts == want
@@ -292,12 +275,12 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
   state = training.init_state(tx, params, mesh8, "data")
   grads = {"big": jax.random.normal(jax.random.key(8), (8, 256, 256))}
   out, state = sharded_update(tx, mesh8)(grads, state)
-  assert_same_on_devices(out)
+  harness.assert_same_on_devices(out)
   for d in (0, 7):
     g = np.asarray(grads["big"][d]).reshape(-1)
     sent = np.asarray(state.momentum["big"][d]).reshape(-1) == 0
     assert sent.sum() == k
-    np.testing.assert_array_equal(np.sort(np.nonzero(sent)[0]), np.sort(np_topk(g, k)))
+    np.testing.assert_array_equal(np.sort(np.nonzero(sent)[0]), np.sort(harness.np_topk(g, k)))
   assert wire.expected_bytes(tx, params, 8).total == 7 * 8 * k
 
 
@@ -311,7 +294,7 @@ def test_nan_on_one_device_poisons_all_and_keeps_state(mesh8):
     grads[leaf] = grads[leaf].at[6, 0].set(jnp.inf if leaf == "b" else jnp.nan)
     out, new = step(grads, state)
     for d in range(8):
-      assert not np.all(np.isfinite(flat(out, d)))
+      assert not np.all(np.isfinite(harness.flat(out, d)))
     chex.assert_trees_all_equal(new, state)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new))
 

@@ -12,6 +12,7 @@ from experiments import shapes
 from jaxcomp import dense as dense_lib
 from jaxcomp import lowrank
 from jaxcomp import training
+import harness
 from jaxcomp import wire
 
 RANK = 2
@@ -32,8 +33,6 @@ FACTORIES = {
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
 
 
-def _axis(names):
-  return names[0] if len(names) == 1 else names
 
 
 def _leaf(tree, path):
@@ -43,37 +42,14 @@ def _leaf(tree, path):
 
 
 def _per_device_normal(seed, devices=8):
-  leaves, treedef = jax.tree.flatten(PARAMS)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [
-      jax.random.normal(k, (devices,) + x.shape) for k, x in zip(keys, leaves)
-  ])
-
-
-def _step_fn(tx, mesh, axis, max_traces=None):
-  """jit(shard_map(update)) over stacked per-device gradients and state."""
-  wrap = None if max_traces is None else (lambda f: chex.assert_max_traces(f, n=max_traces))
-  return training.make_update(tx, mesh, axis, wrap=wrap)
+  return harness.per_device_normal(PARAMS, seed, devices)
 
 
 @functools.lru_cache(maxsize=None)
 def _run(name, mesh_name):
   """Two steps of a compressor; everything the tests read, compiled once."""
   shape, names = MESHES[mesh_name]
-  axis = _axis(names)
-  mesh = training.make_mesh(shape, names)
-  tx = FACTORIES[name](axis)
-  fn = _step_fn(tx, mesh, axis)
-  states = [training.stack_per_device(tx.init(PARAMS), mesh, axis)]
-  grads = [training.shard(_per_device_normal(s), mesh, axis) for s in (1, 2)]
-  compiled = fn.lower(grads[0], states[0]).compile()
-  outs = []
-  for g in grads:
-    out, state = fn(g, states[-1])
-    outs.append(out)
-    states.append(state)
-  return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled,
-              grads=grads, states=states, outs=outs)
+  return harness.run_two_steps(FACTORIES[name], PARAMS, shape, names)
 
 
 def _np(tree):
@@ -145,7 +121,7 @@ def test_compiled_bytes_on_smaller_rings(name, devices):
   tx = FACTORIES[name]("data")
   state = training.stack_per_device(tx.init(PARAMS), mesh, "data")
   grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
-  compiled = _step_fn(tx, mesh, "data").lower(grads, state).compile()
+  compiled = harness.step_fn(tx, mesh, "data").lower(grads, state).compile()
   assert wire.collective_bytes(compiled).by_kind == (
       wire.expected_bytes(tx, PARAMS, devices).by_kind)
 

@@ -17,6 +17,7 @@ from jaxcomp import collectives
 from jaxcomp import dense
 from jaxcomp import sparsify
 from jaxcomp import training
+import harness
 from jaxcomp import wire
 
 EMPTY = collectives.EMPTY_INDEX
@@ -46,26 +47,6 @@ def device_grads(num, seed=0, shapes=SHAPES):
 def sharded_update(tx, mesh, axis="data", wrap=None):
   """jit(shard_map) of ``tx.update`` over stacked grads and states."""
   return training.make_update(tx, mesh, axis, wrap=wrap)
-
-
-def flat(tree, device=None):
-  """numpy f32 vector of a tree's leaves in ``jax.tree.leaves`` order."""
-  leaves = jax.tree.leaves(tree)
-  if device is not None:
-    leaves = [x[device] for x in leaves]
-  return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in leaves])
-
-
-def assert_same_on_devices(out):
-  for leaf in jax.tree.leaves(out):
-    leaf = np.asarray(leaf)
-    for d in range(1, leaf.shape[0]):
-      np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
-
-
-def np_topk(x, k):
-  """Indices of the k largest |x| (ties: lower index), the spec of select_topk."""
-  return np.argsort(-np.abs(x), kind="stable")[:k]
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +93,12 @@ def test_randomk_torus_bytes_equal_formula():
   assert got.by_kind == want.by_kind
   assert "reduce-scatter" in got.by_kind
   out, _ = step(grads, state)
-  assert_same_on_devices(out)
+  harness.assert_same_on_devices(out)
   indices = np.asarray(sparsify.random_indices(
       jax.random.split(jax.random.key(1))[1], N, math.ceil(0.25 * N)))
   want_mean = np.zeros(N, np.float32)
-  want_mean[indices] = np.stack([flat(grads, d) for d in range(8)]).mean(0)[indices]
-  np.testing.assert_allclose(flat(out, 0), want_mean, rtol=1e-5, atol=1e-6)
+  want_mean[indices] = np.stack([harness.flat(grads, d) for d in range(8)]).mean(0)[indices]
+  np.testing.assert_allclose(harness.flat(out, 0), want_mean, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("num", [2, 4, 8])
@@ -144,7 +125,7 @@ def test_full_density_equals_allreduce(name, mesh8):
   want, _ = sharded_update(base_tx, mesh8)(grads, training.init_state(
       base_tx, params_like(), mesh8, "data"))
   chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
-  assert not np.any(flat(new.residual))
+  assert not np.any(harness.flat(new.residual))
 
 
 def topk_oracle(grads_by_device, residuals, k):
@@ -154,7 +135,7 @@ def topk_oracle(grads_by_device, residuals, k):
   new = []
   for g, e in zip(grads_by_device, residuals):
     c = g + e
-    idx = np_topk(c, k)
+    idx = harness.np_topk(c, k)
     mean[idx] += c[idx]
     r = c.copy()
     r[idx] = 0
@@ -171,11 +152,11 @@ def test_topk_matches_numpy_over_two_steps(mesh8):
   for seed in (0, 1):
     grads = device_grads(8, seed=seed)
     out, state = step(grads, state)
-    mean, residuals = topk_oracle([flat(grads, d) for d in range(8)], residuals, k)
-    np.testing.assert_allclose(flat(out, 0), mean, rtol=1e-6, atol=1e-7)
+    mean, residuals = topk_oracle([harness.flat(grads, d) for d in range(8)], residuals, k)
+    np.testing.assert_allclose(harness.flat(out, 0), mean, rtol=1e-6, atol=1e-7)
     for d in range(8):
       # Mass conservation, bit for bit: the residual is c where not sent, 0 where sent.
-      np.testing.assert_array_equal(flat(state.residual, d), residuals[d])
+      np.testing.assert_array_equal(harness.flat(state.residual, d), residuals[d])
 
 
 def test_topk_without_error_feedback_keeps_no_residual(mesh8):
@@ -185,8 +166,8 @@ def test_topk_without_error_feedback_keeps_no_residual(mesh8):
   assert state.residual == ()
   grads = device_grads(8, seed=2)
   out, _ = sharded_update(tx, mesh8)(grads, state)
-  mean, _ = topk_oracle([flat(grads, d) for d in range(8)], [0.0] * 8, k)
-  np.testing.assert_allclose(flat(out, 0), mean, rtol=1e-6, atol=1e-7)
+  mean, _ = topk_oracle([harness.flat(grads, d) for d in range(8)], [0.0] * 8, k)
+  np.testing.assert_allclose(harness.flat(out, 0), mean, rtol=1e-6, atol=1e-7)
 
 
 def merge_np(a, b, k):
@@ -220,23 +201,23 @@ def test_gtopk_matches_butterfly_oracle(num):
   state = training.init_state(tx, params_like(), mesh, "data")
   grads = device_grads(num, seed=num)
   out, new = sharded_update(tx, mesh)(grads, state)
-  assert_same_on_devices(out)
+  harness.assert_same_on_devices(out)
   local = []
   for d in range(num):
-    c = flat(grads, d)
-    idx = np_topk(c, k)
+    c = harness.flat(grads, d)
+    idx = harness.np_topk(c, k)
     local.append({int(i): c[i] for i in idx})
   merged = gtopk_oracle(local, k)
   want = np.zeros(N, np.float32)
   for i, v in merged.items():
     want[i] = v / num
-  np.testing.assert_allclose(flat(out, 0), want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-6, atol=1e-7)
   for d in range(num):
     # Put-back: selected locally and globally -> 0; everything else stays.
-    c = flat(grads, d)
+    c = harness.flat(grads, d)
     expect = c.copy()
     expect[[i for i in local[d] if i in merged]] = 0
-    np.testing.assert_array_equal(flat(new.residual, d), expect)
+    np.testing.assert_array_equal(harness.flat(new.residual, d), expect)
 
 
 def test_randomk_matches_numpy_and_splits_key(mesh8):
@@ -253,17 +234,17 @@ def test_randomk_matches_numpy_and_splits_key(mesh8):
     chosen.append(set(idx.tolist()))
     grads = device_grads(8, seed=seed)
     out, state = step(grads, state)
-    corrected = [flat(grads, d) + residuals[d] for d in range(8)]
+    corrected = [harness.flat(grads, d) + residuals[d] for d in range(8)]
     want = np.zeros(N, np.float32)
     want[idx] = np.mean([c[idx] for c in corrected], axis=0)
-    np.testing.assert_allclose(flat(out, 0), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-6, atol=1e-7)
     residuals = []
     for c in corrected:
       r = c.copy()
       r[idx] = 0
       residuals.append(r)
     for d in range(8):
-      np.testing.assert_array_equal(flat(state.residual, d), residuals[d])
+      np.testing.assert_array_equal(harness.flat(state.residual, d), residuals[d])
     np.testing.assert_array_equal(
         np.asarray(state.rng_key[3]), np.asarray(jax.random.key_data(key)))
   assert len(chosen[0]) == k and chosen[0] != chosen[1]
@@ -279,7 +260,7 @@ def test_nan_on_one_device_poisons_all_and_keeps_state(name, mesh8):
   grads["b"] = grads["b"].at[5, 3].set(jnp.nan)
   out, new = step(grads, state)
   for d in range(8):
-    assert not np.all(np.isfinite(flat(out, d)))
+    assert not np.all(np.isfinite(harness.flat(out, d)))
   chex.assert_trees_all_equal(new, state)
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new))
 
@@ -321,10 +302,10 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
   steps = 12
   grads = device_grads(8, seed=11, shapes={"g": shape})
   total, state = run_constant(COMPRESSORS[name](density, "data"), mesh, grads, steps)
-  by_device = np.stack([flat(grads, d) for d in range(8)])
-  residual = np.stack([flat(state.residual, d) for d in range(8)])
+  by_device = np.stack([harness.flat(grads, d) for d in range(8)])
+  residual = np.stack([harness.flat(state.residual, d) for d in range(8)])
   want = steps * by_device.mean(0) - residual.mean(0)
-  np.testing.assert_allclose(flat(total, 0), want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(harness.flat(total, 0), want, rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------ selection
@@ -333,7 +314,7 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
 def test_select_topk_masks_to_k():
   x = jnp.asarray(np.random.default_rng(0).normal(size=500).astype(np.float32))
   values, indices = jax.jit(lambda x, k: sparsify.select_topk(x, 20, k))(x, 12)
-  want = np_topk(np.asarray(x), 12)
+  want = harness.np_topk(np.asarray(x), 12)
   np.testing.assert_array_equal(np.asarray(indices[:12]), want)
   np.testing.assert_array_equal(np.asarray(values[:12]), np.asarray(x)[want])
   assert np.all(np.asarray(indices[12:]) == EMPTY) and not np.any(np.asarray(values[12:]))
@@ -368,7 +349,7 @@ def test_sampled_topk_is_exact_top_k_when_the_count_fits(ratio):
   select = jax.jit(lambda x, key: sparsify.sampled_topk(x, k, k, key, ratio))
   values, indices = select(x, jax.random.key(0))
   got = np.sort(np.asarray(indices))
-  np.testing.assert_array_equal(got, np.sort(np_topk(np.asarray(x), k)))
+  np.testing.assert_array_equal(got, np.sort(harness.np_topk(np.asarray(x), k)))
   np.testing.assert_array_equal(np.asarray(values), np.asarray(x)[np.asarray(indices)])
 
 
@@ -395,7 +376,7 @@ def test_sampled_topk_falls_back_when_the_count_is_off():
                    static_argnums=2)
   x = jnp.ones(n).at[100].set(3.0)
   _, indices = select(x, jax.random.key(0), 0.1)
-  np.testing.assert_array_equal(np.asarray(indices), np_topk(np.asarray(x), k))
+  np.testing.assert_array_equal(np.asarray(indices), harness.np_topk(np.asarray(x), k))
   # A few large entries the sample misses: too few above the threshold.
   y = jnp.zeros(n).at[jnp.arange(0, 4 * k, 4)].set(jnp.arange(1, k + 1, dtype=jnp.float32))
   _, indices = select(y, jax.random.key(1), 0.01)
@@ -476,11 +457,11 @@ def test_inside_multisteps(mesh8):
   ))
   first_grads, second_grads = device_grads(8, seed=1), device_grads(8, seed=2)
   out, state = step(first_grads, state)
-  assert not np.any(flat(out))
+  assert not np.any(harness.flat(out))
   out, state = step(second_grads, state)
-  assert_same_on_devices(out)
-  want = -np.mean([(flat(first_grads, d) + flat(second_grads, d)) / 2 for d in range(8)], 0)
-  np.testing.assert_allclose(flat(out, 0), want, rtol=1e-5, atol=1e-6)
+  harness.assert_same_on_devices(out)
+  want = -np.mean([(harness.flat(first_grads, d) + harness.flat(second_grads, d)) / 2 for d in range(8)], 0)
+  np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------ exact selection
