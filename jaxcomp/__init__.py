@@ -9,19 +9,24 @@ from jaxcomp import collectives as collectives
 from jaxcomp import costmodel as costmodel
 from jaxcomp import error_feedback as error_feedback
 from jaxcomp import fusion as fusion
+from jaxcomp import protocol as protocol
+from jaxcomp import registry as registry
+from jaxcomp import selection as selection
 from jaxcomp import training as training
 from jaxcomp import wire as wire
-from jaxcomp.base import Compressor as Compressor
-from jaxcomp.dense import allreduce as allreduce
-from jaxcomp.dense import cast as cast
 from jaxcomp.deep_gradient_compression import DGCState as DGCState
 from jaxcomp.deep_gradient_compression import dgc as dgc
+from jaxcomp.dense import allreduce as allreduce
+from jaxcomp.dense import cast as cast
 from jaxcomp.lowrank import ACPSGDState as ACPSGDState
 from jaxcomp.lowrank import PowerSGDState as PowerSGDState
 from jaxcomp.lowrank import acpsgd as acpsgd
 from jaxcomp.lowrank import powersgd as powersgd
+from jaxcomp.stochastic_quantization import QSGDState as QSGDState
+from jaxcomp.stochastic_quantization import qsgd as qsgd
 from jaxcomp.quantize import SignSGDState as SignSGDState
 from jaxcomp.quantize import signsgd as signsgd
+from jaxcomp.registry import check_chain as check_chain
 from jaxcomp.sparsify import GTopKState as GTopKState
 from jaxcomp.sparsify import RandomKState as RandomKState
 from jaxcomp.sparsify import TopKState as TopKState
@@ -33,16 +38,17 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ACPSGDState",
-    "Compressor",
     "DGCState",
     "GTopKState",
     "PowerSGDState",
+    "QSGDState",
     "RandomKState",
     "SignSGDState",
     "TopKState",
     "acpsgd",
     "allreduce",
     "cast",
+    "check_chain",
     "collectives",
     "costmodel",
     "dgc",
@@ -50,7 +56,11 @@ __all__ = (
     "fusion",
     "gtopk",
     "powersgd",
+    "protocol",
+    "qsgd",
     "randomk",
+    "registry",
+    "selection",
     "signsgd",
     "topk",
     "training",

@@ -1,72 +1,22 @@
-"""What every compressor shares: the transformation type, axis names, finiteness.
+"""Argument checks every factory shares: axis names, numbers, flags, seeds.
 
-A compressor is an ``optax.GradientTransformation`` that also states its own
-wire cost (:class:`Compressor`), so that :func:`jaxcomp.wire.expected_bytes`
-can compare the formula with the bytes read from the compiled program.
+One rule for every hyperparameter: Python numbers and numpy scalars of the
+right kind are accepted (``np.float32(0.01)`` as a density, ``np.int64(4)`` as
+a rank), bools never stand in for numbers, and an out-of-range value raises a
+``ValueError`` that names the argument and the allowed range.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+import numbers
+from typing import Mapping, Optional, Sequence, Union
 
-import chex
 import jax
-import jax.numpy as jnp
 from jax import lax
 import numpy as np
-import optax
 
 AxisName = Union[str, tuple[str, str]]
-
-
-
-class Transfer(NamedTuple):
-  """One collective of a compressor's step, as its wire formula states it.
-
-  Attributes:
-    kind: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``,
-      ``"all-to-all"`` or ``"collective-permute"``.
-    group: devices taking part in it (1 for a permute: a pairwise exchange).
-    bytes: what one device sends in it.
-    weight: times per step on average (1/2: every other step).
-  """
-
-  kind: str
-  group: int
-  bytes: Fraction
-  weight: Fraction = Fraction(1)
-
-
-# The collectives of one step. wire_bytes(params, num_devices) -> WireCost,
-# num_devices an int, or (rows, cols) / a mesh shape dict for a pair of axes.
-WireCost = tuple[Transfer, ...]
-WireBytesFn = Callable[[optax.Params, Any], WireCost]
-
-
-class Compressor(optax.GradientTransformation):
-  """An ``optax.GradientTransformation`` that knows its bytes on the wire.
-
-  It is the ``(init, update)`` pair optax expects, so it chains like any
-  other transformation; ``wire_bytes(params, axis_sizes)`` gives the bytes one
-  device sends per step for gradients shaped like ``params`` on a mesh whose
-  compressor axes have sizes ``axis_sizes`` (one int, or ``(rows, cols)`` for
-  a pair of axes). (It is ``None`` on a copy rebuilt by ``jax.tree.map``,
-  which sees a namedtuple of two fields.)
-  """
-
-  wire_bytes: Optional[WireBytesFn]
-
-  def __new__(
-      cls,
-      init: optax.TransformInitFn,
-      update: optax.TransformUpdateFn,
-      wire_bytes: Optional[WireBytesFn] = None,
-  ) -> "Compressor":
-    self = super().__new__(cls, init, update)
-    self.wire_bytes = wire_bytes
-    return self
 
 
 def check_axis_name(axis_name: AxisName) -> tuple[str, ...]:
@@ -125,35 +75,81 @@ def normalize_axis_sizes(
   """Turns a device count, a size tuple or a mesh shape into one size per axis."""
   if isinstance(axis_sizes_or_count, Mapping):
     return tuple(int(axis_sizes_or_count[a]) for a in axes)
-  if isinstance(axis_sizes_or_count, int):
+  if isinstance(axis_sizes_or_count, (int, np.integer)):
     if len(axes) != 1:
       raise ValueError(
           f"a pair of axes {tuple(axes)} needs the mesh shape (rows, cols), got"
           f" the device count {axis_sizes_or_count}"
       )
-    return (axis_sizes_or_count,)
+    return (int(axis_sizes_or_count),)
   sizes = tuple(int(s) for s in axis_sizes_or_count)
   if len(sizes) != len(axes):
     raise ValueError(f"axes {tuple(axes)} need {len(axes)} sizes, got {sizes}")
   return sizes
 
 
-def check_density(density: float) -> float:
+def _interval(low, high, low_open, high_open) -> str:
+  left = "(" if low_open or low == -math.inf else "["
+  right = ")" if high_open or high == math.inf else "]"
+  def show(v):
+    if math.isinf(v):
+      return "inf" if v > 0 else "-inf"
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+  return f"{left}{show(low)}, {show(high)}{right}"
+
+
+def check_number(
+    value,
+    name: str,
+    *,
+    integer: bool = False,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+) -> Optional[Union[int, float]]:
+  """``value`` as a Python int or float, within ``[low, high]`` (ends open as asked).
+
+  Accepts Python numbers and numpy scalars (and 0-d numpy arrays) of the
+  right kind: integers for ``integer=True``, any real otherwise. Refuses
+  bools, strings and arrays with a ``TypeError``; NaN and values outside the
+  range with a ``ValueError`` naming ``name`` and the range.
+  """
+  kind = "an int" if integer else "a number"
+  interval = _interval(low, high, low_open, high_open)
+  if value is None and allow_none:
+    return None
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value[()]
+  wanted = numbers.Integral if integer else numbers.Real
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, wanted):
+    also = "None or " if allow_none else ""
+    raise TypeError(f"`{name}` must be {also}{kind} in {interval}, got {value!r}")
+  value = int(value) if integer else float(value)
+  below = value <= low if low_open else value < low
+  above = value >= high if high_open else value > high
+  if below or above or value != value:  # the last: NaN
+    also = "None or " if allow_none else ""
+    raise ValueError(f"`{name}` must be {also}in {interval}, got {value}")
+  return value
+
+
+def check_bool(value, name: str) -> bool:
+  """``value`` as a bool: Python and numpy bools only."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"`{name}` must be a bool, got {value!r}")
+  return bool(value)
+
+
+def check_density(density) -> float:
   """``density`` must be a number in (0, 1]."""
-  if isinstance(density, bool) or not isinstance(density, (int, float)):
-    raise TypeError(f"`density` must be a float in (0, 1], got {density!r}")
-  if not (0.0 < density <= 1.0):  # also rejects NaN
-    raise ValueError(f"`density` must be in (0, 1], got {density}")
-  return float(density)
+  return check_number(density, "density", low=0.0, high=1.0, low_open=True)
 
 
 def check_seed(seed) -> int:
-  """``seed`` must be a non-negative int (a PRNG seed)."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise TypeError(f"`seed` must be an int in [0, 2**32), got {seed!r}")
-  if not 0 <= int(seed) < 2**32:
-    raise ValueError(f"`seed` must be in [0, 2**32), got {seed}")
-  return int(seed)
+  """``seed`` must be an int in ``[0, 2**32)`` (a PRNG seed)."""
+  return check_number(seed, "seed", integer=True, low=0, high=2**32, high_open=True)
 
 
 def raw_key(seed: int) -> jax.Array:
@@ -164,40 +160,3 @@ def raw_key(seed: int) -> jax.Array:
 def num_selected(density: float, n: int) -> int:
   """``k = max(1, ceil(density * n))``, the fixed capacity of a sparse payload."""
   return max(1, min(n, math.ceil(density * n)))
-
-
-def all_finite(tree: chex.ArrayTree) -> jax.Array:
-  """A scalar bool: every element of every leaf is finite."""
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def poison(payload: jax.Array, finite: jax.Array) -> jax.Array:
-  """NaN everywhere in a floating payload when this device saw non-finite input.
-
-  A sparse or low-rank payload may drop the very coordinates that held the
-  NaN, so every compressor poisons what it sends: the reduced mean is then
-  non-finite on every device, and all of them skip the step alike.
-  """
-  return jnp.where(finite, payload, jnp.asarray(jnp.nan, payload.dtype))
-
-
-def keep_if_finite(result: chex.ArrayTree, new_state, old_state):
-  """The new state where the reduced ``result`` is finite, else the old one.
-
-  ``result`` is identical on every device, so every device makes the same
-  choice, and a skipped step writes nothing non-finite into any state.
-  """
-  ok = all_finite(result)
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
-
-
-def safe_increment(count: jax.Array) -> jax.Array:
-  """``count + 1`` that saturates at the largest int32 (as optax's does)."""
-  return optax.safe_increment(count)
-
-
-def zero_count() -> jax.Array:
-  return jnp.zeros([], jnp.int32)

@@ -3,21 +3,12 @@
 Each helper runs inside ``jax.shard_map`` (or ``jax.pmap``) with its mesh axes
 bound, and lowers to real XLA collectives: ``all-reduce``, ``reduce-scatter``,
 ``all-gather``, ``all-to-all`` and ``collective-permute``. This module is the
-one place that builds them; the ``*_bytes`` functions beside each are the ring
-formulas of the bytes one device sends, which :mod:`jaxcomp.wire` checks
-against the compiled program:
-
-* all-reduce: ``2 (G - 1) / G * s``, ``s`` the buffer's bytes, ``G`` the group;
-* all-gather and reduce-scatter: ``(G - 1) / G * s``, ``s`` the full buffer;
-* all-to-all: ``(G - 1) / G * s``;
-* collective-permute: the operand's bytes.
+one place that builds them; :mod:`jaxcomp.wire` states the bytes each sends.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +24,7 @@ EMPTY_INDEX = np.iinfo(np.int32).max
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _transfer(kind: str, group: int, nbytes) -> base.Transfer:
-  return base.Transfer(kind, group, Fraction(nbytes))
-
-
-def every_other_step(cost: base.WireCost, share) -> base.WireCost:
-  """``cost`` happening on a ``share`` of the steps (ACP-SGD's alternation)."""
-  return tuple(t._replace(weight=t.weight * Fraction(share)) for t in cost)
-
-
 # ----------------------------------------------------------------- dense sums
-
-
-def _wire_itemsize(wire_dtype) -> int:
-  return 4 if wire_dtype is None else jnp.dtype(wire_dtype).itemsize
 
 
 def _to_wire(x: jax.Array, wire_dtype) -> jax.Array:
@@ -83,36 +61,22 @@ def _all_gather(chunk: jax.Array, axis: str, wire_dtype) -> jax.Array:
   return _from_wire(gathered, wire_dtype)
 
 
-def _reduce(flat, axes, sizes, wire_dtype, divisor):
-  """``sum / divisor`` of a flat f32 buffer over ``axes``, as the ring or torus does it."""
+def _reduce(flat, axes, sizes, wire_dtype):
+  """The sum of a flat f32 buffer over ``axes``, as the ring or the torus does it."""
   if len(axes) == 1 and not _is_narrow(wire_dtype):
-    return lax.psum(flat, axes[0]) / divisor
+    return lax.psum(flat, axes[0])
   n = flat.shape[0]
   size = sizes[0]
   chunk = -(-n // size)
   padded = jnp.pad(flat, (0, chunk * size - n))
   part = _reduce_scatter(padded, axes[0], size, wire_dtype)
   if len(axes) > 1:
-    part = _reduce(part, axes[1:], sizes[1:], wire_dtype, divisor)
-  else:
-    part = part / divisor
+    part = _reduce(part, axes[1:], sizes[1:], wire_dtype)
   return _all_gather(part, axes[0], wire_dtype)[:n]
 
 
-def _reduce_bytes(n, sizes, itemsize) -> base.WireCost:
-  """Bytes of :func:`_reduce` for ``n`` elements (the formula beside the code)."""
-  if len(sizes) == 1 and itemsize == 4:
-    return allreduce_bytes(n * itemsize, sizes[0])
-  size = sizes[0]
-  padded = -(-n // size) * size
-  rs_kind = "reduce-scatter" if itemsize == 4 else "all-to-all"
-  inner = _reduce_bytes(padded // size, sizes[1:], itemsize) if len(sizes) > 1 else ()
-  part = Fraction((size - 1) * padded * itemsize, size)
-  return (_transfer(rs_kind, size, part), *inner, _transfer("all-gather", size, part))
-
-
-def mean(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Array:
-  """The mean of ``x`` over the device axis (or pair of axes), in f32.
+def reduce_sum(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Array:
+  """The sum of ``x`` over the device axis (or pair of axes), in f32.
 
   One axis: a ring all-reduce (``psum``). A pair ``(row_axis, col_axis)``: the
   2D-torus all-reduce. ``wire_dtype`` (float16, bfloat16) sends the values in
@@ -126,21 +90,28 @@ def mean(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Arra
 
   Returns:
     f32 array of ``x``'s shape, identical on every device.
+
+  Wire: :func:`jaxcomp.wire.mean`.
   """
   axes = base.check_axis_name(axis_name)
   sizes = base.axis_sizes(axes)
   flat = x.reshape(-1).astype(jnp.float32)
-  return _reduce(flat, axes, sizes, wire_dtype, math.prod(sizes)).reshape(x.shape)
+  if flat.shape[0] == 0:
+    return flat.reshape(x.shape)
+  return _reduce(flat, axes, sizes, wire_dtype).reshape(x.shape)
 
 
-def mean_bytes(n: int, axis_sizes: Sequence[int], *, wire_dtype=None) -> base.WireCost:
-  """Bytes one device sends in :func:`mean` of ``n`` elements."""
-  return _reduce_bytes(n, tuple(axis_sizes), _wire_itemsize(wire_dtype))
+def mean(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Array:
+  """The mean of ``x`` over the device axis (or pair of axes), in f32.
 
-
-def allreduce_bytes(nbytes: int, group: int) -> base.WireCost:
-  """Ring all-reduce of a ``nbytes`` buffer over ``group`` devices."""
-  return (_transfer("all-reduce", group, Fraction(2 * (group - 1) * nbytes, group)),)
+  :func:`reduce_sum` of ``x / P``: scaled before the sum, so a mean that fits
+  in f32 never overflows on the way (``P`` gradients near ``3e38`` sum to
+  ``inf``, their scaled parts do not). For a power-of-two ``P`` the scaling
+  is exact and the result is bit for bit ``sum / P``.
+  """
+  axes = base.check_axis_name(axis_name)
+  size = math.prod(base.axis_sizes(axes))
+  return reduce_sum(x.astype(jnp.float32) / size, axes, wire_dtype=wire_dtype)
 
 
 def torus_allreduce(x: jax.Array, row_axis: str, col_axis: str) -> jax.Array:
@@ -164,15 +135,7 @@ def torus_allreduce(x: jax.Array, row_axis: str, col_axis: str) -> jax.Array:
     Mikami et al., `Massively Distributed SGD: ImageNet/ResNet-50 Training in
     a Flash <https://arxiv.org/abs/1811.05233>`_, 2018.
   """
-  axes = base.check_axis_name((row_axis, col_axis))
-  sizes = base.axis_sizes(axes)
-  flat = x.reshape(-1).astype(jnp.float32)
-  return _reduce(flat, axes, sizes, None, 1).reshape(x.shape).astype(x.dtype)
-
-
-def torus_allreduce_bytes(n: int, rows: int, cols: int, itemsize: int = 4) -> base.WireCost:
-  """Bytes of :func:`torus_allreduce` of ``n`` elements on a ``rows x cols`` mesh."""
-  return _reduce_bytes(n, (rows, cols), itemsize)
+  return reduce_sum(x, (row_axis, col_axis)).astype(x.dtype)
 
 
 # ------------------------------------------------------------- sparse payloads
@@ -197,14 +160,6 @@ def sparse_allgather(
   return lax.all_gather(values, axis), lax.all_gather(indices, axis)
 
 
-def sparse_allgather_bytes(k: int, num_devices: int, value_itemsize: int = 4) -> base.WireCost:
-  """``(P - 1) * k * (value bytes + 4)``: two all-gathers of ``k`` each."""
-  return tuple(
-      _transfer("all-gather", num_devices, (num_devices - 1) * k * itemsize)
-      for itemsize in (value_itemsize, 4)
-  )
-
-
 def allgather(x: jax.Array, axis_name: base.AxisName) -> jax.Array:
   """Every device's ``x``, stacked: ``[P, *x.shape]``, row ``i`` from device ``i``.
 
@@ -214,11 +169,6 @@ def allgather(x: jax.Array, axis_name: base.AxisName) -> jax.Array:
   axes = base.check_axis_name(axis_name)
   base.axis_sizes(axes)
   return lax.all_gather(x, axes[0] if len(axes) == 1 else axes)
-
-
-def allgather_bytes(nbytes: int, group: int) -> base.WireCost:
-  """All-gather of ``nbytes`` from each of ``group`` devices: ``(G - 1) * nbytes``."""
-  return (_transfer("all-gather", group, (group - 1) * nbytes),)
 
 
 def _sort_key(values: jax.Array, indices: jax.Array) -> jax.Array:
@@ -326,21 +276,6 @@ def _fit_capacity(values, indices, k):
   return (
       jnp.concatenate([values, jnp.zeros(pad, values.dtype)]),
       jnp.concatenate([indices, jnp.full(pad, EMPTY_INDEX, jnp.int32)]),
-  )
-
-
-def gtopk_allreduce_bytes(k: int, num_devices: int, value_itemsize: int = 4) -> base.WireCost:
-  """``log2(P)`` rounds of ``k`` values and ``k`` indices (two more for other P).
-
-  For P not a power of two the fold and the send-back count as two more
-  rounds, as the compiled program holds them (only the extra devices and
-  their partners use them).
-  """
-  power = 1 << (num_devices.bit_length() - 1)
-  rounds = power.bit_length() - 1 + (2 if num_devices != power else 0)
-  return tuple(
-      _transfer("collective-permute", 1, k * itemsize)
-      for _ in range(rounds) for itemsize in (value_itemsize, 4)
   )
 
 

@@ -10,19 +10,22 @@ all-reduce, with the momentum applied to their mean. The optimizer after
 
 from __future__ import annotations
 
+from fractions import Fraction
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomp import base
 from jaxcomp import collectives
 from jaxcomp import error_feedback
 from jaxcomp import fusion
-from jaxcomp import sparsify
+from jaxcomp import protocol
+from jaxcomp import selection
+from jaxcomp import wire
 
 # The paper's exponential warm-up ramp, one equal stage each, then `density`.
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
@@ -74,36 +77,27 @@ def _stage_ks(density: float, warmup_steps: int, n: int) -> tuple[int, ...]:
   )
 
 
-def capacity(density: float, warmup_steps: int, n: int) -> int:
-  """Static payload size: the largest ``k`` of the schedule over ``n`` elements."""
-  return max(_stage_ks(density, warmup_steps, n))
-
-
-def _check_fraction(value, name: str, low_open: bool, allowed: str) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-    raise TypeError(f"`{name}` must be a float in {allowed}, got {value!r}")
-  value = float(value)
-  ok = (0.0 < value <= 1.0) if low_open else (0.0 <= value < 1.0)
-  if not ok:  # also rejects NaN
-    raise ValueError(f"`{name}` must be in {allowed}, got {value}")
-  return value
+def stage_weights(warmup_steps: int, steps) -> tuple[Fraction, ...]:
+  """The share of the first ``steps`` steps spent in each stage (``None``: after the warm-up)."""
+  stages = len(WARMUP_DENSITIES) + 1 if warmup_steps else 1
+  if steps is None:
+    return (Fraction(0),) * (stages - 1) + (Fraction(1),)
+  steps = base.check_number(steps, "steps", integer=True, low=1)
+  counts = [0] * stages
+  for t in range(min(steps, warmup_steps)):
+    counts[t * len(WARMUP_DENSITIES) // warmup_steps] += 1
+  counts[-1] += max(0, steps - warmup_steps)
+  return tuple(Fraction(c, steps) for c in counts)
 
 
 def _check_args(momentum, nesterov, clip_norm, warmup_steps, sample_ratio, sparse_leaves):
-  momentum = _check_fraction(momentum, "momentum", False, "[0, 1)")
-  sample_ratio = _check_fraction(sample_ratio, "sample_ratio", True, "(0, 1]")
-  if not isinstance(nesterov, (bool, np.bool_)):
-    raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
-  if clip_norm is not None:
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float, np.floating)):
-      raise TypeError(f"`clip_norm` must be None or a float in (0, inf), got {clip_norm!r}")
-    if not 0.0 < float(clip_norm) < math.inf:
-      raise ValueError(f"`clip_norm` must be None or in (0, inf), got {clip_norm}")
-    clip_norm = float(clip_norm)
-  if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)):
-    raise TypeError(f"`warmup_steps` must be an int >= 0, got {warmup_steps!r}")
-  if warmup_steps < 0:
-    raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+  momentum = base.check_number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  sample_ratio = base.check_number(
+      sample_ratio, "sample_ratio", low=0.0, high=1.0, low_open=True)
+  nesterov = base.check_bool(nesterov, "nesterov")
+  clip_norm = base.check_number(clip_norm, "clip_norm", low=0.0, high=math.inf,
+                                low_open=True, high_open=True, allow_none=True)
+  warmup_steps = base.check_number(warmup_steps, "warmup_steps", integer=True, low=0)
   if callable(sparse_leaves):
     where = sparse_leaves
   elif isinstance(sparse_leaves, str) and sparse_leaves in _SPARSE_RULES:
@@ -113,33 +107,34 @@ def _check_args(momentum, nesterov, clip_norm, warmup_steps, sample_ratio, spars
         "`sparse_leaves` must be 'rank>1', 'all' or a callable (shape) -> bool,"
         f" got {sparse_leaves!r}"
     )
-  return momentum, bool(nesterov), clip_norm, int(warmup_steps), sample_ratio, where
+  return momentum, nesterov, clip_norm, warmup_steps, sample_ratio, where
 
 
 def dgc(
     density: float,
     axis_name: base.AxisName,
     momentum: float = 0.9,
-    nesterov: bool = False,
     clip_norm: Optional[float] = None,
     warmup_steps: int = 0,
     sample_ratio: float = 0.01,
     *,
+    nesterov: bool = False,
     seed: int = 0,
     sparse_leaves: SparseLeaves = "rank>1",
-) -> base.Compressor:
+) -> optax.GradientTransformation:
   """Deep Gradient Compression (all five parts of the paper).
 
   On the sparse leaves (fused into one bucket of ``n`` elements), per device:
 
   1. *Local gradient clipping*: with ``clip_norm``, the whole local gradient
      is scaled by ``min(1, clip_norm / sqrt(P) / ||g||)`` (its global L2
-     norm over every leaf), before accumulation.
+     norm over every leaf, one reduction over the fused bucket), before
+     accumulation.
   2. *Momentum correction*: the velocity, not the gradient, accumulates
      locally: ``u <- m u + g``, ``v <- v + u`` (Nesterov, as the reference
      implementation: ``u <- m (u + g)``, ``v <- v + u + g``).
   3. *Sparsification* of ``v``: the ``k`` largest magnitudes, by the
-     *sampled threshold* (:func:`jaxcomp.sparsify.sampled_topk`): the
+     *sampled threshold* (:func:`jaxcomp.selection.sampled_topk`): the
      threshold is estimated on ``ceil(sample_ratio * n)`` entries drawn from
      the state's key, the entries above it are compacted into a candidate
      buffer and the ``k`` largest of them kept; when the count above the
@@ -147,15 +142,16 @@ def dgc(
      below ``MIN_FRACTION * k``) it falls back to the exact ``lax.top_k``
      under a ``lax.cond`` with no collective inside (devices may take
      different branches). ``sample_ratio=1.0`` always uses ``lax.top_k``.
-     Every device's ``(values, indices)`` is all-gathered and the mean is
-     their scatter-add over ``P``.
+     Every device's ``(values / P, indices)`` is all-gathered and the mean
+     is their scatter-add.
   4. *Momentum factor masking*: ``v`` keeps what was not sent (``v - sent``,
      zero where sent) and ``u`` is zeroed where sent.
   5. *Warm-up*: the density follows 25%, 6.25%, 1.5625%, 0.4% in four equal
-     stages over ``warmup_steps``, then ``density``. The payload has a static
-     capacity, the largest ``k`` of that schedule, masked to the current
-     ``k``, so nothing recompiles; the wire carries the full capacity every
-     step (with ``warmup_steps=0`` the capacity is the ``k`` of ``density``).
+     stages over ``warmup_steps``, then ``density`` (a stage never goes below
+     ``density``). Each stage is one branch of a ``lax.switch`` on the step
+     count (the same on every device) with its own static ``k``, so each
+     stage sends its own payload and nothing recompiles: one program, and
+     after the warm-up the wire carries the ``k`` of ``density`` only.
 
   The other leaves (biases and norms under the default rule) are fused into
   one dense :func:`jaxcomp.collectives.mean` and get the momentum on the
@@ -169,11 +165,11 @@ def dgc(
     axis_name: the data-parallel mesh axis, or a pair of axes (one
       all-gather over both; the dense all-reduce runs as the 2D torus).
     momentum: the momentum ``m``, in [0, 1).
-    nesterov: Nesterov momentum.
     clip_norm: ``None`` (no clipping) or the global threshold, in (0, inf);
       each device clips at ``clip_norm / sqrt(P)``.
     warmup_steps: steps of the warm-up ramp, an int >= 0 (0: none).
     sample_ratio: share of the entries sampled for the threshold, in (0, 1].
+    nesterov: Nesterov momentum.
     seed: PRNG seed of the sample, an int in ``[0, 2**32)``.
     sparse_leaves: which leaves are sparsified: ``"rank>1"`` (the paper's
       rule; the rest go dense), ``"all"`` (every leaf in the sparse bucket,
@@ -181,14 +177,16 @@ def dgc(
       500x at density 0.001), or a callable ``shape -> bool``.
 
   Returns:
-    A :class:`jaxcomp.base.Compressor` with state :class:`DGCState`, whose
+    An ``optax.GradientTransformation`` with state :class:`DGCState`, whose
     ``update`` returns the update to apply with plain SGD, identical on
     every device, in the dtype of ``updates``.
 
-  Wire: two all-gathers of the capacity ``K`` (f32 values, int32 indices),
-  ``(P - 1) * 8 K`` bytes per device, plus the dense all-reduce of the
+  Wire: two all-gathers of the stage's ``k`` (f32 values, int32 indices),
+  ``(P - 1) * 8 k`` bytes per device, plus the dense all-reduce of the
   ``n_d`` other elements, ``2 (P - 1) / P * 4 n_d``. One device's message
-  is ``8 K + 4 n_d`` bytes.
+  is ``8 k + 4 n_d`` bytes. :func:`jaxcomp.wire.expected_bytes` with
+  ``steps=T`` weights the stages over the first ``T`` steps; without, it
+  gives the steady state after the warm-up.
 
   Example::
 
@@ -209,13 +207,11 @@ def dgc(
   )
   seed = base.check_seed(seed)
 
-  def init_fn(params):
-    return DGCState(
-        count=base.zero_count(),
-        residual=error_feedback.init(params),
-        momentum=error_feedback.init(params),
-        rng_key=base.raw_key(seed),
-    )
+  def layout(tree):
+    return fusion.Bucket.of(tree, where) + fusion.Bucket.of(tree, lambda s: not where(s))
+
+  def sparse_size(bucket) -> int:
+    return sum(n for shape, n in zip(bucket.shapes, bucket.sizes) if where(shape))
 
   def accumulate(u, g):
     """``(new u, what v accumulates)``: the momentum correction."""
@@ -225,78 +221,83 @@ def dgc(
     u = momentum * u + g
     return u, u
 
-  def current_k(count, n):
-    ks = _stage_ks(density, warmup_steps, n)
-    if warmup_steps == 0:
-      return ks[0]
-    stage = jnp.where(
-        count >= warmup_steps, len(ks) - 1,
-        (count * len(WARMUP_DENSITIES)) // warmup_steps,
-    )
-    return jnp.asarray(ks, jnp.int32)[stage]
-
-  def update_fn(updates, state, params=None):
-    del params
-    error_feedback.check_matches(updates, state.momentum)
-    sparse, dense = fusion.partition(state.momentum, where)
-    sparse_out, dense_out = fusion.partition(updates, where)
-    size = math.prod(base.axis_sizes(axes))
-    finite = base.all_finite(updates)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+  def prepare(ctx, gradient, state):
+    """Clipping, then the momentum correction of the sparse leaves (before error feedback)."""
     if clip_norm is not None:
-      limit = clip_norm / math.sqrt(size)
-      norm = optax.tree.norm(grads)
-      scale = jnp.minimum(1.0, limit / norm)
-      grads = jax.tree.map(lambda g: g * scale, grads)
-    next_key, draw = jax.random.split(jax.random.wrap_key_data(state.rng_key))
-    result, new_momentum, residual = updates, {}, state.residual
+      limit = clip_norm / math.sqrt(ctx.num_devices)
+      gradient = gradient * jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
+    n_s = sparse_size(ctx.bucket)
+    u, acc = accumulate(ctx.bucket.flatten(state.momentum)[:n_s], gradient[:n_s])
+    return jnp.concatenate([acc, gradient[n_s:]]), u
 
-    if sparse.size:
-      n = sparse.size
-      u, acc = accumulate(sparse.flatten(state.momentum), sparse.flatten(grads))
-      velocity = error_feedback.compensate(
-          sparse, sparse.unflatten(acc, like=state.momentum), state.residual
-      )
-      k = current_k(state.count, n)
-      cap = capacity(density, warmup_steps, n)
-      if sample_ratio == 1.0:
-        values, indices = sparsify.select_topk(velocity, cap, k)
+  def step(ctx, corrected, state):
+    bucket, n_s = ctx.bucket, sparse_size(ctx.bucket)
+    sparse_count = sum(1 for shape in bucket.shapes if where(shape))
+    means, kept, momenta, witness = [], [], [], []
+    if n_s:
+      velocity, u = corrected[:n_s], ctx.carry
+
+      def exchange(k):
+        if sample_ratio == 1.0:
+          values, indices = selection.select_topk(velocity, k)
+        else:
+          values, indices = selection.sampled_topk(velocity, k, k, ctx.key, sample_ratio)
+        all_values, all_indices = ctx.sparse_allgather(values, indices)
+        # What was sent leaves the velocity, and its momentum is masked.
+        return (collectives.densify(all_values, all_indices, n_s),
+                velocity.at[indices].set(0.0, mode="drop"), u.at[indices].set(0.0, mode="drop"))
+
+      ks = _stage_ks(density, warmup_steps, n_s)
+      if warmup_steps:
+        stage = jnp.where(ctx.count >= warmup_steps, len(ks) - 1,
+                          ctx.count * len(WARMUP_DENSITIES) // warmup_steps)
+        sparse_mean, velocity, u = ctx.switch(
+            stage, [functools.partial(exchange, k) for k in ks])
       else:
-        values, indices = sparsify.sampled_topk(velocity, cap, k, draw, sample_ratio)
-      # The values sent are the velocity's own at `indices`: masking them.
-      residual = error_feedback.absorb_sent(sparse, velocity, indices, state.residual)
-      masked = u.at[indices].set(0.0, mode="drop")
-      new_momentum.update(zip(sparse.leaves, sparse.split(masked)))
-      all_values, all_indices = collectives.sparse_allgather(
-          base.poison(values, finite), indices, axes
-      )
-      mean = collectives.densify(all_values, all_indices, n) / size
-      result = sparse_out.unflatten(mean, like=result)
+        sparse_mean, velocity, u = exchange(ks[-1])
+      sizes = bucket.sizes[:sparse_count]
+      means, kept, momenta = (_split(x, sizes) for x in (sparse_mean, velocity, u))
+      witness.append(sparse_mean)
+    dense_sizes = bucket.sizes[sparse_count:]
+    if dense_sizes:
+      u, out = accumulate(bucket.flatten(state.momentum)[n_s:], ctx.mean(corrected[n_s:]))
+      means += _split(out, dense_sizes)
+      kept += [None] * len(dense_sizes)
+      momenta += _split(u, dense_sizes)
+      witness.append(out)
+    return protocol.Output(
+        mean=means, residual=kept, witness=witness,
+        state={"momentum": error_feedback.absorb(bucket, momenta, state.momentum)})
 
-    if dense.size:
-      mean = collectives.mean(base.poison(dense.flatten(grads), finite), axes)
-      u, out = accumulate(dense.flatten(state.momentum), mean)
-      new_momentum.update(zip(dense.leaves, dense.split(u)))
-      result = dense_out.unflatten(out, like=result)
+  def init(params, bucket):
+    del bucket
+    return {"momentum": error_feedback.init(params)}
 
-    new_state = DGCState(
-        count=base.safe_increment(state.count),
-        residual=residual,
-        momentum=fusion.scatter_leaves(state.momentum, new_momentum),
-        rng_key=jax.random.key_data(next_key),
-    )
-    return result, base.keep_if_finite(result, new_state, state)
-
-  def wire_bytes(params, num_devices):
-    sizes = base.normalize_axis_sizes(axes, num_devices)
-    sparse, dense = fusion.partition(params, where)
+  def wire_cost(bucket, sizes, steps):
+    n_s = sparse_size(bucket)
     cost = ()
-    if sparse.size:
-      cost += collectives.sparse_allgather_bytes(
-          capacity(density, warmup_steps, sparse.size), math.prod(sizes)
-      )
-    if dense.size:
-      cost += collectives.mean_bytes(dense.size, sizes)
-    return cost
+    if n_s:
+      stages = [wire.sparse_allgather(k, math.prod(sizes))
+                for k in _stage_ks(density, warmup_steps, n_s)]
+      if warmup_steps:
+        cost = sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(
+            zip(stages, stage_weights(warmup_steps, steps)))), ())
+      else:
+        cost = stages[0]
+    return cost + wire.mean(bucket.size - n_s, sizes)
 
-  return base.Compressor(init_fn, update_fn, wire_bytes)
+  return protocol.compressor(protocol.Method(
+      name="dgc",
+      config=dict(density=density, axis_name=axis_name, momentum=momentum, nesterov=nesterov,
+                  clip_norm=clip_norm, warmup_steps=warmup_steps, sample_ratio=sample_ratio,
+                  seed=seed, sparse_leaves=sparse_leaves),
+      axes=axes, state=DGCState, step=step, wire=wire_cost, init=init, layout=layout,
+      error_feedback=True, prepare=prepare, seed=seed))
+
+
+def _split(flat: jax.Array, sizes) -> list[jax.Array]:
+  out, offset = [], 0
+  for n in sizes:
+    out.append(flat[offset:offset + n])
+    offset += n
+  return out

@@ -12,31 +12,27 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import fusion
+from jaxcomp import protocol
+from jaxcomp import wire
 
 
-def _dense_mean(axis_name: base.AxisName, wire_dtype) -> base.Compressor:
+def _dense_mean(name: str, config: dict, axis_name: base.AxisName, wire_dtype):
   axes = base.check_axis_name(axis_name)
 
-  def init_fn(params: optax.Params) -> optax.EmptyState:
-    del params
-    return optax.EmptyState()
+  def step(ctx, corrected, state):
+    del state
+    return protocol.Output(mean=ctx.mean(corrected, wire_dtype=wire_dtype))
 
-  def update_fn(updates, state, params=None):
-    del params
-    bucket = fusion.Bucket.of(updates)
-    mean = collectives.mean(bucket.flatten(updates), axes, wire_dtype=wire_dtype)
-    return bucket.unflatten(mean, like=updates), state
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    return wire.mean(bucket.size, sizes, wire_dtype=wire_dtype)
 
-  def wire_bytes(params, num_devices):
-    sizes = base.normalize_axis_sizes(axes, num_devices)
-    return collectives.mean_bytes(fusion.Bucket.of(params).size, sizes, wire_dtype=wire_dtype)
-
-  return base.Compressor(init_fn, update_fn, wire_bytes)
+  return protocol.compressor(protocol.Method(
+      name=name, config={**config, "axis_name": axis_name}, axes=axes,
+      state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True))
 
 
-def allreduce(axis_name: base.AxisName) -> base.Compressor:
+def allreduce(axis_name: base.AxisName) -> optax.GradientTransformation:
   """The dense mean of the gradients over the device axis: synchronous SGD.
 
   Every leaf is fused into one f32 buffer and averaged with one all-reduce (a
@@ -48,7 +44,7 @@ def allreduce(axis_name: base.AxisName) -> base.Compressor:
     axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
 
   Returns:
-    A :class:`jaxcomp.base.Compressor` (an ``optax.GradientTransformation``)
+    An ``optax.GradientTransformation``
     whose ``update`` returns the mean gradient, identical on every device, in
     the dtype of ``updates``. Its state is empty.
 
@@ -60,10 +56,10 @@ def allreduce(axis_name: base.AxisName) -> base.Compressor:
 
     tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1, momentum=0.9))
   """
-  return _dense_mean(axis_name, None)
+  return _dense_mean("allreduce", {}, axis_name, None)
 
 
-def cast(dtype: Any, axis_name: base.AxisName) -> base.Compressor:
+def cast(dtype: Any, axis_name: base.AxisName) -> optax.GradientTransformation:
   """The dense mean with 16-bit values on the wire (fp16 or bf16).
 
   The f32 gradient buffer is rounded to ``dtype`` and averaged as a
@@ -80,7 +76,7 @@ def cast(dtype: Any, axis_name: base.AxisName) -> base.Compressor:
     axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
 
   Returns:
-    A :class:`jaxcomp.base.Compressor` with an empty state.
+    An ``optax.GradientTransformation`` with an empty state.
 
   Wire: ``2 (P - 1) / P * 2 n`` bytes per device (``n`` padded to a multiple
   of P): ``(P - 1) / P * 2 n`` in the all-to-all and as much in the all-gather.
@@ -90,12 +86,13 @@ def cast(dtype: Any, axis_name: base.AxisName) -> base.Compressor:
     tx = optax.chain(jaxcomp.cast(jnp.bfloat16, "data"), optax.adamw(3e-4))
   """
   try:
-    wire = jnp.dtype(dtype)
+    wire_type = jnp.dtype(dtype)
   except TypeError as e:
     raise TypeError(f"`dtype` must be a floating dtype, got {dtype!r}") from e
-  if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize not in (2, 4):
+  if not jnp.issubdtype(wire_type, jnp.floating) or wire_type.itemsize not in (2, 4):
     raise TypeError(
         "`dtype` must be a 16- or 32-bit floating dtype (float16, bfloat16,"
-        f" float32), got {wire}"
+        f" float32), got {wire_type}"
     )
-  return _dense_mean(axis_name, None if wire.itemsize == 4 else wire)
+  return _dense_mean("cast", {"dtype": wire_type.name}, axis_name,
+                     None if wire_type.itemsize == 4 else wire_type)

@@ -3,12 +3,13 @@
 With ``c = g + e`` the corrected gradient, ``s`` what this device sent (its
 contribution, decompressed) and ``e' = c - s`` the new residual, mass is
 conserved: ``s + e' == g + e``. The residual is a pytree shaped like the
-parameters, in f32, one per device.
+parameters, in f32, one per device. :mod:`jaxcomp.protocol` applies it for
+every method; a method only says what stays behind.
 
-Summation order, fixed and tested: leaves are raveled and concatenated in
-``jax.tree.leaves`` order and cast to f32, ``c = flat(g) + flat(e)`` element
-by element, ``e' = c - s``. For a sparse ``s`` (``c`` where sent, 0 elsewhere)
-``s + e'`` equals ``c`` bit for bit.
+Summation order, fixed and tested: leaves are raveled and concatenated in the
+bucket's order and cast to f32, ``c = flat(g) + flat(e)`` element by element,
+``e' = c - s``. For a sparse ``s`` (``c`` where sent, 0 elsewhere) ``s + e'``
+equals ``c`` bit for bit.
 
 References:
   Seide et al., 1-bit SGD, Interspeech 2014; Karimireddy et al., `Error
@@ -17,6 +18,8 @@ References:
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence, Union
 
 import chex
 import jax
@@ -35,52 +38,30 @@ def compensate(bucket: fusion.Bucket, updates: optax.Updates, residual: optax.Pa
   """``f32[bucket.size]``: the bucket's gradients plus their residual."""
   # Summed leaf by leaf, then concatenated once: the same sums, without two
   # concatenated n-sized buffers beside the result.
-  return bucket.flatten(jax.tree.map(
-      lambda g, e: g.astype(jnp.float32) + e, updates, residual))
+  leaves, residuals = jax.tree.leaves(updates), jax.tree.leaves(residual)
+  return fusion.concat([leaves[i].reshape(-1).astype(jnp.float32) + residuals[i].reshape(-1)
+                        for i in bucket.leaves])
 
 
-def absorb(
-    bucket: fusion.Bucket, corrected: jax.Array, sent: jax.Array, residual: optax.Params
-) -> optax.Params:
-  """``residual`` with the bucket's leaves set to ``corrected - sent`` (f32)."""
-  return fusion.scatter_leaves(
-      residual, dict(zip(bucket.leaves, bucket.split(corrected - sent)))
-  )
+Kept = Union[jax.Array, Sequence[Optional[jax.Array]]]
 
 
-def absorb_sent(
-    bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array, residual: optax.Params
-) -> optax.Params:
-  """:func:`absorb` of a sparse ``sent``: ``corrected`` at ``indices``, 0 elsewhere.
-
-  ``corrected - sent`` is then ``corrected`` with those entries zeroed
-  (``c - c`` is 0, ``c - 0`` is ``c``), so it is a scatter of zeros into
-  ``corrected``, not two more ``n``-sized buffers (the dense ``sent`` and the
-  difference), each of which costs a pass and, fresh every step, a page fault
-  per 4 KiB. Empty slots (index ``collectives.EMPTY_INDEX``, past ``n``) are
-  dropped.
+def absorb(bucket: fusion.Bucket, kept: Kept, residual: optax.Params) -> optax.Params:
+  """``residual`` with the bucket's leaves set to what stays behind.
 
   Args:
     bucket: the fused leaves.
-    corrected: ``f32[bucket.size]``, the gradient plus the old residual.
-    indices: ``int32[k]``, the coordinates sent with their ``corrected`` values.
+    kept: ``f32[bucket.size]``, the new residual of the whole bucket
+      (``corrected - sent``; for a sparse send, ``corrected`` with the sent
+      entries zeroed: a scatter, not two more ``n``-sized buffers); or one
+      array per bucket leaf (any shape of the leaf's size), ``None`` for a
+      leaf whose residual stays as it is (one the method sends exactly).
     residual: the residual pytree to update.
   """
-  kept = corrected.at[indices].set(0.0, mode="drop")
-  return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, bucket.split(kept))))
-
-
-def absorb_leaves(
-    bucket: fusion.Bucket, corrected: jax.Array, sent: list[jax.Array], residual: optax.Params
-) -> optax.Params:
-  """:func:`absorb` of a ``sent`` given leaf by leaf (any shape of each leaf's size).
-
-  The low-rank methods make ``sent`` one product per leaf; each leaf of the
-  residual is then ``corrected - sent`` directly, without concatenating
-  ``sent`` into one more ``n``-sized buffer.
-  """
-  kept = [c - s.reshape(c.shape) for c, s in zip(bucket.split(corrected), sent)]
-  return fusion.scatter_leaves(residual, dict(zip(bucket.leaves, kept)))
+  if not isinstance(kept, (list, tuple)):
+    kept = bucket.split(kept)
+  return fusion.scatter_leaves(residual, {
+      i: k.reshape(s) for i, k, s in zip(bucket.leaves, kept, bucket.shapes) if k is not None})
 
 
 def check_matches(updates: chex.ArrayTree, residual: chex.ArrayTree) -> None:

@@ -1,5 +1,10 @@
 """Tensor fusion: a gradient pytree as one flat f32 bucket, and back.
 
+Only real floating leaves are fused: ``float0`` leaves (the gradients of
+integer parameters under ``jax.grad(..., allow_int=True)``) and zero-size
+leaves carry nothing and pass through untouched; complex and integer
+gradients are refused by :func:`check_leaves` with the leaf's path.
+
 Compressors select and communicate once per bucket, not once per leaf: one
 top-k over the whole model (as the papers do), one all-reduce for every leaf
 sent dense. A :class:`Bucket` is static (shapes and dtypes only), so it is
@@ -42,14 +47,23 @@ class Bucket:
       cls, tree: chex.ArrayTree,
       where: Optional[Callable[[tuple[int, ...]], bool]] = None,
   ) -> "Bucket":
-    """The bucket of the leaves of ``tree`` whose shape satisfies ``where`` (all by default)."""
+    """The bucket of the fusable leaves of ``tree`` whose shape satisfies ``where`` (all by default).
+
+    Fusable: a real floating dtype (not ``float0``) and at least one element.
+    """
     leaves = jax.tree.leaves(tree)
-    chosen = [i for i, x in enumerate(leaves) if where is None or where(tuple(x.shape))]
+    chosen = [i for i, x in enumerate(leaves)
+              if _fusable(x) and (where is None or where(tuple(x.shape)))]
     return cls(
         leaves=tuple(chosen),
         shapes=tuple(tuple(leaves[i].shape) for i in chosen),
         dtypes=tuple(jnp.dtype(leaves[i].dtype) for i in chosen),
     )
+
+  def __add__(self, other: "Bucket") -> "Bucket":
+    """The leaves of ``self``, then those of ``other``, in one bucket."""
+    return Bucket(self.leaves + other.leaves, self.shapes + other.shapes,
+                  self.dtypes + other.dtypes)
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -71,10 +85,7 @@ class Bucket:
   def flatten(self, tree: chex.ArrayTree) -> jax.Array:
     """``f32[size]``: the bucket's leaves of ``tree``, raveled and concatenated."""
     leaves = jax.tree.leaves(tree)
-    parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in self.leaves]
-    if not parts:
-      return jnp.zeros((0,), jnp.float32)
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return concat([leaves[i].reshape(-1).astype(jnp.float32) for i in self.leaves])
 
   def split(self, flat: jax.Array) -> list[jax.Array]:
     """The leaves of a flat bucket, in their shapes, still f32."""
@@ -87,6 +98,42 @@ class Bucket:
     """``like`` with the bucket's leaves replaced by ``flat``'s, in their dtypes."""
     return scatter_leaves(like, {i: x.astype(d) for i, x, d in zip(
         self.leaves, self.split(flat), self.dtypes)})
+
+
+def concat(parts: list[jax.Array]) -> jax.Array:
+  """Flat f32 parts end to end (no copy for one part, ``f32[0]`` for none)."""
+  if not parts:
+    return jnp.zeros((0,), jnp.float32)
+  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _fusable(x) -> bool:
+  dtype = jnp.dtype(x.dtype)
+  return (dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.floating)
+          and math.prod(x.shape) > 0)
+
+
+def check_leaves(updates: chex.ArrayTree) -> None:
+  """A ``TypeError`` naming the first leaf that is complex, integer or not an array.
+
+  Real floating leaves are fused; ``float0`` leaves pass through untouched.
+  A complex gradient would lose its imaginary part in an f32 bucket.
+  """
+  for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+      raise TypeError(
+          f"`updates` leaf {jax.tree_util.keystr(path)} is not an array:"
+          f" {type(leaf).__name__}")
+    dtype = jnp.dtype(dtype)
+    if dtype == jax.dtypes.float0 or jnp.issubdtype(dtype, jnp.floating):
+      continue
+    what = "complex" if jnp.issubdtype(dtype, jnp.complexfloating) else dtype.name
+    raise TypeError(
+        f"`updates` leaf {jax.tree_util.keystr(path)} has dtype {dtype.name}: jaxcomp"
+        f" compresses real floating gradients (float16, bfloat16, float32, float64);"
+        f" {what} gradients are not supported (split a complex parameter into its"
+        " real and imaginary parts)")
 
 
 def scatter_leaves(like: chex.ArrayTree, replaced: dict[int, jax.Array]) -> chex.ArrayTree:

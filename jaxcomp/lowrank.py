@@ -7,7 +7,7 @@ dense kernel as it is) and sent as rank-``r`` factors ``P`` (rows x r) and
 or ``(rows + cols) * r * min_compression_rate > rows * cols``) is sent dense.
 Every factor of every compressed leaf is fused into one flat buffer and the
 dense leaves ride in the same buffer as the first factor, so a step runs one
-fused :func:`jaxcomp.collectives.mean` per factor (the 2D-torus all-reduce when
+fused mean all-reduce per factor (the 2D-torus all-reduce when
 ``axis_name`` is a pair).
 
 Leaves of the same matrix shape are laid side by side and handled as one
@@ -18,7 +18,7 @@ of matrix products does not grow with the depth of the model.
 from __future__ import annotations
 
 import dataclasses
-import fractions
+from fractions import Fraction
 import functools
 import itertools
 import math
@@ -27,13 +27,12 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-from jax import lax
 import optax
 
 from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import error_feedback
 from jaxcomp import fusion
+from jaxcomp import protocol
+from jaxcomp import wire
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -84,6 +83,11 @@ class MatrixView:
         dtypes=tuple(jnp.dtype(leaves[i].dtype) for i in chosen),
     )
     return cls(rank, groups, lowrank, fusion.Bucket.of(tree, lambda s: not compressed(s)))
+
+  @property
+  def bucket(self) -> fusion.Bucket:
+    """The compressed leaves, then the dense ones: the fused bucket's order."""
+    return self.lowrank + self.dense
 
   @property
   def p_size(self) -> int:
@@ -171,43 +175,35 @@ def _init_factors(view: MatrixView, seed: int) -> tuple[jax.Array, jax.Array]:
           _join([_orthonormalize(x) for x in view.q_factors(q)]))
 
 
-def _mean(flat: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  return flat if flat.shape[0] == 0 else collectives.mean(flat, axes)
+def _check_rank(rank) -> int:
+  return base.check_number(rank, "rank", integer=True, low=1)
 
 
-def _mean_bytes(n: int, sizes: tuple[int, ...]) -> base.WireCost:
-  return () if n == 0 else collectives.mean_bytes(n, sizes)
+def _check_min_compression_rate(rate) -> float:
+  return base.check_number(rate, "min_compression_rate", low=1.0)
 
 
-def _check_rank(rank: int) -> int:
-  if isinstance(rank, bool) or not isinstance(rank, int):
-    raise TypeError(f"`rank` must be an int >= 1, got {rank!r}")
-  if rank < 1:
-    raise ValueError(f"`rank` must be >= 1, got {rank}")
-  return rank
+def _layout(rank: int, min_compression_rate: float):
+  """The bucket order of both methods: the compressed leaves by matrix shape, then the dense ones."""
+  return lambda tree: MatrixView.of(tree, rank, min_compression_rate).bucket
 
 
-def _check_min_compression_rate(rate: float) -> float:
-  if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-    raise TypeError(f"`min_compression_rate` must be a number >= 1, got {rate!r}")
-  if not rate >= 1.0:  # also rejects NaN
-    raise ValueError(f"`min_compression_rate` must be >= 1, got {rate}")
-  return float(rate)
+def _view_of(bucket: fusion.Bucket, rank: int, min_compression_rate: float) -> MatrixView:
+  """The :class:`MatrixView` of a bucket laid out by :func:`_layout` (positions: bucket order)."""
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in zip(bucket.shapes, bucket.dtypes)]
+  return MatrixView.of(shapes, rank, min_compression_rate)
 
 
-def _rebuild(view: MatrixView, updates, approx, dense_mean: jax.Array):
-  """``updates`` with the low-rank leaves set to ``approx`` (:func:`_products`) and the others to ``dense_mean``.
+def _leaf_means(view: MatrixView, approx, dense_mean: jax.Array) -> list[jax.Array]:
+  """The mean per bucket leaf: the low-rank products, then the dense leaves' slices."""
+  return list(approx) + view.dense.split(dense_mean)
 
-  The step's finiteness is read from ``approx`` and the flat ``dense_mean``,
-  not from the dense leaves: one reduction per leaf of a fused buffer makes
-  XLA's compile time grow with the square of the number of leaves (minutes
-  on ResNet-50), one per buffer does not.
-  """
-  lowrank = view.lowrank
-  out = fusion.scatter_leaves(updates, {
-      i: a.reshape(shape).astype(dtype)
-      for i, a, shape, dtype in zip(lowrank.leaves, approx, lowrank.shapes, lowrank.dtypes)})
-  return view.dense.unflatten(dense_mean, like=out)
+
+def _leaf_residuals(view: MatrixView, corrected: jax.Array, sent) -> list:
+  """``corrected - sent`` per compressed leaf; the dense leaves' residual stays (zero)."""
+  lowrank = corrected[:view.lowrank.size]
+  kept = [c - s.reshape(c.shape) for c, s in zip(view.lowrank.split(lowrank), sent)]
+  return kept + [None] * len(view.dense.leaves)
 
 
 # -------------------------------------------------------------------- PowerSGD
@@ -237,9 +233,10 @@ def powersgd(
     rank: int,
     axis_name: base.AxisName,
     min_compression_rate: float = 2.0,
+    *,
     warm_start: bool = True,
     seed: int = 0,
-) -> base.Compressor:
+) -> optax.GradientTransformation:
   """PowerSGD: rank-``r`` power iteration with error feedback.
 
   With ``M = g + e`` this device's corrected gradient matrix, one step of
@@ -272,12 +269,12 @@ def powersgd(
     seed: ``[0, 2**32)``, the key of the first ``Q``.
 
   Returns:
-    A :class:`jaxcomp.base.Compressor` whose ``update`` returns the
+    An ``optax.GradientTransformation`` whose ``update`` returns the
     low-rank approximation of the mean gradient (dense mean for the dense
     leaves), identical on every device, in the dtype of ``updates``. State:
     :class:`PowerSGDState`.
 
-  Wire: two fused :func:`jaxcomp.collectives.mean` calls per step, of
+  Wire: two fused mean all-reduces per step, of
   ``sum r * rows`` (plus the dense leaves) and ``sum r * cols`` f32: ring
   all-reduces, ``2 (P - 1) / P * 4 (r (rows + cols) + n_dense)`` bytes per
   device; on a torus each is a reduce-scatter, all-reduce and all-gather.
@@ -293,60 +290,47 @@ def powersgd(
   rank = _check_rank(rank)
   axes = base.check_axis_name(axis_name)
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
-  if not isinstance(warm_start, bool):
-    raise TypeError(f"`warm_start` must be a bool, got {warm_start!r}")
+  warm_start = base.check_bool(warm_start, "warm_start")
   seed = base.check_seed(seed)
 
-  def init_fn(params: optax.Params) -> PowerSGDState:
-    view = MatrixView.of(params, rank, min_compression_rate)
-    _, q = _init_factors(view, seed)
-    return PowerSGDState(
-        count=base.zero_count(),
-        residual=error_feedback.init(params),
-        q=q,
-        rng_key=base.raw_key(seed),
-    )
+  def init(params, bucket):
+    _, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)
+    return {"q": q, "rng_key": base.raw_key(seed)}  # the key stays put with a warm start
 
-  def update_fn(updates, state: PowerSGDState, params=None):
-    del params
-    error_feedback.check_matches(updates, state.residual)
-    view = MatrixView.of(updates, rank, min_compression_rate)
-    finite = base.all_finite(updates)
-    key, q_start = jax.random.wrap_key_data(state.rng_key), state.q
+  def step(ctx, corrected, state):
+    view = _view_of(ctx.bucket, rank, min_compression_rate)
+    q_start = state.q
     if not warm_start:
-      key, draw = jax.random.split(key)
-      q_start = jax.random.normal(draw, (view.q_size,), jnp.float32)
-
-    corrected = error_feedback.compensate(view.lowrank, updates, state.residual)
-    matrices = view.matrices(corrected)
+      q_start = jax.random.normal(ctx.key, (view.q_size,), jnp.float32)
+    matrices = view.matrices(corrected[:view.lowrank.size])
     local_p = [jnp.einsum("gmn,gnr->gmr", m, q)
                for m, q in zip(matrices, view.q_factors(q_start))]
-    payload = jnp.concatenate([_join(local_p), view.dense.flatten(updates)])
-    reduced = _mean(base.poison(payload, finite), axes)
+    reduced = ctx.mean(jnp.concatenate([_join(local_p), corrected[view.lowrank.size:]]))
     p_hat = [_orthonormalize(p) for p in view.p_factors(reduced[:view.p_size])]
     local_q = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_hat)]
-    q_mean = _mean(base.poison(_join(local_q), finite), axes)
-
+    q_mean = ctx.mean(_join(local_q))
     approx = _products(p_hat, view.q_factors(q_mean))
     sent = _products(p_hat, local_q)
-    dense_mean = reduced[view.p_size:]
-    result = _rebuild(view, updates, approx, dense_mean)
-    new_state = PowerSGDState(
-        count=base.safe_increment(state.count),
-        residual=error_feedback.absorb_leaves(view.lowrank, corrected, sent, state.residual),
-        q=_join([_refill(new, old) for new, old in zip(
-            view.q_factors(q_mean), view.q_factors(q_start))]),
-        rng_key=jax.random.key_data(key),
-    )
-    return result, base.keep_if_finite((approx, dense_mean), new_state, state)
+    new_q = _join([_refill(new, old) for new, old in zip(
+        view.q_factors(q_mean), view.q_factors(q_start))])
+    return protocol.Output(
+        mean=_leaf_means(view, approx, reduced[view.p_size:]),
+        residual=_leaf_residuals(view, corrected, sent),
+        state={"q": new_q},
+        witness=(reduced, q_mean))
 
-  def wire_bytes(params, num_devices):
-    sizes = base.normalize_axis_sizes(axes, num_devices)
-    view = MatrixView.of(params, rank, min_compression_rate)
-    return (_mean_bytes(view.p_size + view.dense.size, sizes)
-            + _mean_bytes(view.q_size, sizes))
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    view = _view_of(bucket, rank, min_compression_rate)
+    return wire.mean(view.p_size + view.dense.size, sizes) + wire.mean(view.q_size, sizes)
 
-  return base.Compressor(init_fn, update_fn, wire_bytes)
+  return protocol.compressor(protocol.Method(
+      name="powersgd",
+      config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
+                  warm_start=warm_start, seed=seed),
+      axes=axes, state=PowerSGDState, step=step, wire=wire_cost, init=init,
+      layout=_layout(rank, min_compression_rate), error_feedback=True,
+      seed=None if warm_start else seed))
 
 
 # --------------------------------------------------------------------- ACP-SGD
@@ -375,8 +359,9 @@ def acpsgd(
     rank: int,
     axis_name: base.AxisName,
     min_compression_rate: float = 2.0,
+    *,
     seed: int = 0,
-) -> base.Compressor:
+) -> optax.GradientTransformation:
   """ACP-SGD: alternate low-rank compression, one factor per step.
 
   With ``M_i = g_i + e_i`` this device's corrected gradient matrix and
@@ -390,8 +375,9 @@ def acpsgd(
   Each step is one power-iteration half-step; the alternation replaces
   PowerSGD's two all-reduces per step by one, half its traffic, and the
   factors' orthonormalisation moves off the critical path (the paper's
-  point). Both branches live in one compiled program (``lax.cond`` on the
-  parity of ``count``, the same on every device). Error feedback as in
+  point). Both branches live in one compiled program (a ``lax.switch`` on
+  the parity of ``count``, the same on every device: branch 0 the P step,
+  branch 1 the Q step). Error feedback as in
   :func:`powersgd`; ``P^`` and ``Q^`` start Gaussian from ``seed``,
   orthonormal. A factor column that comes back zero (a zero gradient) keeps
   its previous value before the orthonormalisation.
@@ -408,11 +394,11 @@ def acpsgd(
     seed: ``[0, 2**32)``, the key of the first factors (same on every device).
 
   Returns:
-    A :class:`jaxcomp.base.Compressor` whose ``update`` returns the low-rank
+    An ``optax.GradientTransformation`` whose ``update`` returns the low-rank
     mean gradient, identical on every device, in the dtype of ``updates``.
     State: :class:`ACPSGDState`.
 
-  Wire: one fused :func:`jaxcomp.collectives.mean` per step: on even steps of
+  Wire: one fused mean all-reduce per step: on even steps of
   ``sum r * rows + n_dense`` f32, on odd steps of ``sum r * cols + n_dense``
   (a ring all-reduce, ``2 (P - 1) / P * 4 s`` bytes; on a torus a
   reduce-scatter, all-reduce and all-gather). The wire formula weights each
@@ -431,28 +417,22 @@ def acpsgd(
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
   seed = base.check_seed(seed)
 
-  def init_fn(params: optax.Params) -> ACPSGDState:
-    view = MatrixView.of(params, rank, min_compression_rate)
-    p, q = _init_factors(view, seed)
-    return ACPSGDState(
-        count=base.zero_count(), residual=error_feedback.init(params), p=p, q=q)
+  def init(params, bucket):
+    p, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)
+    return {"p": p, "q": q}
 
-  def update_fn(updates, state: ACPSGDState, params=None):
-    del params
-    error_feedback.check_matches(updates, state.residual)
-    view = MatrixView.of(updates, rank, min_compression_rate)
-    finite = base.all_finite(updates)
-    corrected = error_feedback.compensate(view.lowrank, updates, state.residual)
-    dense = view.dense.flatten(updates)
+  def step(ctx, corrected, state):
+    view = _view_of(ctx.bucket, rank, min_compression_rate)
+    dense = corrected[view.lowrank.size:]
     p_old, q_old = view.p_factors(state.p), view.q_factors(state.q)
 
     # The branches return factors only, (P, Q) of the mean and of this
     # device's contribution: the n-sized products are made once, after the
-    # cond, straight into the result and the residual (a cond's n-sized
+    # switch, straight into the result and the residual (a branch's n-sized
     # outputs would be fresh buffers, copied from).
     def p_step(matrices):
       local = [jnp.einsum("gmn,gnr->gmr", m, q) for m, q in zip(matrices, q_old)]
-      reduced = _mean(base.poison(jnp.concatenate([_join(local), dense]), finite), axes)
+      reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       p_mean = view.p_factors(reduced[:view.p_size])
       new_p = _join([_orthonormalize(_refill(new, old)) for new, old in zip(p_mean, p_old)])
       return (reduced[:view.p_size], state.q, _join(local), state.q,
@@ -460,31 +440,31 @@ def acpsgd(
 
     def q_step(matrices):
       local = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_old)]
-      reduced = _mean(base.poison(jnp.concatenate([_join(local), dense]), finite), axes)
+      reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       q_mean = view.q_factors(reduced[:view.q_size])
       new_q = _join([_orthonormalize(_refill(new, old)) for new, old in zip(q_mean, q_old)])
       return (state.p, reduced[:view.q_size], state.p, _join(local),
               reduced[view.q_size:], state.p, new_q)
 
-    p_mean, q_mean, p_sent, q_sent, dense_mean, new_p, new_q = lax.cond(
-        state.count % 2 == 0, p_step, q_step, view.matrices(corrected))
+    p_mean, q_mean, p_sent, q_sent, dense_mean, new_p, new_q = ctx.switch(
+        ctx.count % 2, (p_step, q_step), view.matrices(corrected[:view.lowrank.size]))
     approx = _products(view.p_factors(p_mean), view.q_factors(q_mean))
     sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
-    result = _rebuild(view, updates, approx, dense_mean)
-    new_state = ACPSGDState(
-        count=base.safe_increment(state.count),
-        residual=error_feedback.absorb_leaves(view.lowrank, corrected, sent, state.residual),
-        p=new_p,
-        q=new_q,
-    )
-    return result, base.keep_if_finite((approx, dense_mean), new_state, state)
+    return protocol.Output(
+        mean=_leaf_means(view, approx, dense_mean),
+        residual=_leaf_residuals(view, corrected, sent),
+        state={"p": new_p, "q": new_q},
+        witness=(p_mean, q_mean, dense_mean))
 
-  def wire_bytes(params, num_devices):
-    sizes = base.normalize_axis_sizes(axes, num_devices)
-    view = MatrixView.of(params, rank, min_compression_rate)
-    half = fractions.Fraction(1, 2)
-    return (
-        collectives.every_other_step(_mean_bytes(view.p_size + view.dense.size, sizes), half)
-        + collectives.every_other_step(_mean_bytes(view.q_size + view.dense.size, sizes), half))
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    view = _view_of(bucket, rank, min_compression_rate)
+    return (wire.in_branch(wire.mean(view.p_size + view.dense.size, sizes), 0, Fraction(1, 2))
+            + wire.in_branch(wire.mean(view.q_size + view.dense.size, sizes), 1, Fraction(1, 2)))
 
-  return base.Compressor(init_fn, update_fn, wire_bytes)
+  return protocol.compressor(protocol.Method(
+      name="acpsgd",
+      config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
+                  seed=seed),
+      axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
+      layout=_layout(rank, min_compression_rate), error_feedback=True))

@@ -15,9 +15,8 @@ from jax import lax
 import optax
 
 from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import error_feedback as ef
-from jaxcomp import fusion
+from jaxcomp import protocol
+from jaxcomp import wire
 
 _SCALE_BYTES = 4  # the f32 scale travels beside the packed signs
 
@@ -42,6 +41,13 @@ def unpack_signs(packed: jax.Array, n: int) -> jax.Array:
   return jnp.where(bits == 1, 1.0, -1.0).astype(jnp.float32)
 
 
+def _mean_magnitude(x: jax.Array) -> jax.Array:
+  """``mean |x|`` of a flat ``x``; when the plain sum overflows, the sum of ``|x| / n``."""
+  plain = jnp.mean(jnp.abs(x))
+  return lax.cond(jnp.isfinite(plain), lambda: plain,
+                  lambda: jnp.sum(jnp.abs(x) / x.shape[0]))
+
+
 class SignSGDState(NamedTuple):
   """State of :func:`signsgd`.
 
@@ -57,16 +63,17 @@ class SignSGDState(NamedTuple):
 
 def signsgd(
     axis_name: base.AxisName,
+    *,
     error_feedback: bool = True,
     majority_vote: bool = False,
-) -> base.Compressor:
+) -> optax.GradientTransformation:
   """Scaled 1-bit signs, bit-packed and all-gathered; optional majority vote.
 
   All leaves are fused into one bucket. With ``c_i = g_i + e_i`` this
   device's corrected gradient (``c_i = g_i`` without error feedback), it
-  sends ``s_i = mean |c_i|`` (f32) and ``sign(c_i)`` packed 8 per byte
-  (``sign(0) = +1``), in one all-gather. Every device then decodes the same
-  gathered bytes::
+  sends ``s_i / P`` (``s_i = mean |c_i|``, f32) and ``sign(c_i)`` packed 8
+  per byte (``sign(0) = +1``), in one all-gather. Every device then decodes
+  the same gathered bytes::
 
     default:        update = mean_i s_i * sign(c_i)
     majority_vote:  update = mean_i(s_i) * sign(sum_i sign(c_i))   (a tie gives +1)
@@ -86,7 +93,7 @@ def signsgd(
     majority_vote: return the scaled sign of the sum of the signs.
 
   Returns:
-    A :class:`jaxcomp.base.Compressor`; its ``update`` returns the decoded
+    An ``optax.GradientTransformation``; its ``update`` returns the decoded
     mean, identical on every device, in the dtype of ``updates``. State:
     :class:`SignSGDState`.
 
@@ -107,48 +114,30 @@ def signsgd(
     Compression Schemes <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
   axes = base.check_axis_name(axis_name)
-  if not isinstance(error_feedback, bool):
-    raise TypeError(f"`error_feedback` must be a bool, got {error_feedback!r}")
-  if not isinstance(majority_vote, bool):
-    raise TypeError(f"`majority_vote` must be a bool, got {majority_vote!r}")
+  error_feedback = base.check_bool(error_feedback, "error_feedback")
+  majority_vote = base.check_bool(majority_vote, "majority_vote")
 
-  def init_fn(params: optax.Params) -> SignSGDState:
-    return SignSGDState(
-        count=base.zero_count(),
-        residual=ef.init(params) if error_feedback else (),
-    )
-
-  def update_fn(updates, state: SignSGDState, params=None):
-    del params
-    bucket = fusion.Bucket.of(updates)
-    if error_feedback:
-      ef.check_matches(updates, state.residual)
-      corrected = ef.compensate(bucket, updates, state.residual)
-    else:
-      corrected = bucket.flatten(updates)
-    n = bucket.size
-    scale = base.poison(jnp.mean(jnp.abs(corrected)), base.all_finite(updates))
+  def step(ctx, corrected, state):
+    del state
+    scale = _mean_magnitude(corrected)
     message = jnp.concatenate(
-        [pack_signs(corrected), lax.bitcast_convert_type(scale, jnp.uint8)])
-    gathered = collectives.allgather(message, axes)
+        [pack_signs(corrected), lax.bitcast_convert_type(ctx.send(scale), jnp.uint8)])
+    gathered = ctx.allgather(message)
     scales = lax.bitcast_convert_type(gathered[:, -_SCALE_BYTES:], jnp.float32)
-    all_signs = unpack_signs(gathered[:, :-_SCALE_BYTES], n)
+    all_signs = unpack_signs(gathered[:, :-_SCALE_BYTES], ctx.bucket.size)
     if majority_vote:
-      mean = jnp.mean(scales) * signs(jnp.sum(all_signs, axis=0))
+      mean = jnp.sum(scales) * signs(jnp.sum(all_signs, axis=0))
     else:
-      mean = jnp.sum(scales[:, None] * all_signs, axis=0) / scales.shape[0]
-    result = bucket.unflatten(mean, like=updates)
-    residual = state.residual
-    if error_feedback:
-      residual = ef.absorb(bucket, corrected, scale * signs(corrected), residual)
-    new_state = SignSGDState(count=base.safe_increment(state.count), residual=residual)
-    # Finiteness of the flat mean, not of its slices: one reduction compiles
-    # fast, one per leaf of a fused buffer does not (minutes on ResNet-50).
-    return result, base.keep_if_finite(mean, new_state, state)
+      mean = jnp.sum(scales[:, None] * all_signs, axis=0)
+    return protocol.Output(mean=mean, residual=corrected - scale * signs(corrected))
 
-  def wire_bytes(params, num_devices):
-    sizes = base.normalize_axis_sizes(axes, num_devices)
-    n = fusion.Bucket.of(params).size
-    return collectives.allgather_bytes(-(-n // 8) + _SCALE_BYTES, math.prod(sizes))
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    return wire.allgather(-(-bucket.size // 8) + _SCALE_BYTES, math.prod(sizes))
 
-  return base.Compressor(init_fn, update_fn, wire_bytes)
+  return protocol.compressor(protocol.Method(
+      name="signsgd",
+      config=dict(axis_name=axis_name, error_feedback=error_feedback,
+                  majority_vote=majority_vote),
+      axes=axes, state=SignSGDState, step=step, wire=wire_cost,
+      error_feedback=error_feedback))

@@ -41,6 +41,8 @@ import numpy as np
 import optax
 
 from jaxcomp import base
+from jaxcomp import fusion
+from jaxcomp import registry
 
 # loss_fn(params, batch) -> scalar loss over this device's part of the batch.
 LossFn = Callable[[optax.Params, Any], jax.Array]
@@ -111,8 +113,22 @@ def init_state(
 
   ``init`` binds no mesh axis, so it runs here outside ``shard_map``; every
   device starts from the same state and the residuals diverge from step one.
+  A chain that breaks what a compressor in it requires after it (momentum
+  after :func:`jaxcomp.dgc`) is refused first (:func:`jaxcomp.check_chain`).
   """
+  registry.check_chain(tx, params)
   return stack_per_device(tx.init(params), mesh, axis_name)
+
+
+def _check_stacked(opt_state: optax.OptState, count: int, what: str) -> None:
+  """A clear error for a state without its leading device axis of ``count`` rows."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
+      raise ValueError(
+          f"`{what}` leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, but the"
+          f" per-device state needs a leading device axis of {count} (one row per"
+          " device): build it with `jaxcomp.training.init_state(tx, params, mesh,"
+          " axis_name)`, not `tx.init(params)`")
 
 
 def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
@@ -156,10 +172,15 @@ def make_update(
 
   body = per_device if wrap is None else wrap(per_device)
   # check_vma=False: see make_step.
-  return jax.jit(
-      jax.shard_map(
-          body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False),
-      donate_argnums=(1,) if donate else ())
+  sharded = jax.shard_map(
+      body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False)
+  count = num_replicas(mesh, axis_name)
+
+  def update(grads, opt_state):
+    _check_stacked(opt_state, count, "opt_state")
+    return sharded(grads, opt_state)
+
+  return jax.jit(update, donate_argnums=(1,) if donate else ())
 
 
 def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
@@ -171,7 +192,9 @@ def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
     )(params, batch)
     updates, new_state = tx.update(grads, state, params)
     # The mean gradient is identical on every device, so is this decision.
-    finite = base.all_finite(updates)
+    # One reduction over the fused updates: one per leaf compiles in time
+    # that grows with the square of the number of leaves.
+    finite = jnp.all(jnp.isfinite(fusion.Bucket.of(updates).flatten(updates)))
     new_params = optax.apply_updates(params, updates)
     if skip_nonfinite:
       new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
@@ -236,7 +259,13 @@ def make_step(
       # ppermute and all-to-all.
       check_vma=False,
   )
-  return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+  count = num_replicas(mesh, axis_name)
+
+  def step(params, opt_state, batch):
+    _check_stacked(opt_state, count, "opt_state")
+    return sharded(params, opt_state, batch)
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
 def make_pmap_step(

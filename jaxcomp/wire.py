@@ -1,28 +1,170 @@
-"""Bytes on the wire: read from the compiled program, and from the formulas.
+"""Bytes on the wire: every formula, and what the compiled program sends.
 
-:func:`collective_bytes` reads the HLO text of a compiled function and counts
-the bytes one device sends for every collective in it, with the ring formulas
-of :mod:`jaxcomp.collectives`. :func:`expected_bytes` gives the figure a
-compressor's formula predicts. Tests assert that both agree exactly; they are
-``fractions.Fraction`` so that no rounding hides a difference.
+This module states the bytes of every collective once. The ring formulas, for
+a buffer of ``s`` bytes over a group of ``G`` devices, per device:
+
+* all-reduce ``2 (G - 1) / G * s``;
+* all-gather, all-to-all and reduce-scatter ``(G - 1) / G * s`` of the full
+  (gathered, or not yet scattered) buffer;
+* collective-permute: its operand.
+
+The compressors state their step as a tuple of :class:`Transfer` built with
+the helpers here (:func:`mean`, :func:`sparse_allgather`, :func:`gtopk`, ...);
+:func:`expected_bytes` finds the compressors inside any transformation or
+chain and sums their formulas. :func:`collective_bytes` reads the same figure
+from the HLO text of a compiled program, with the same ring formulas. Tests
+assert that both agree exactly; they are ``fractions.Fraction`` so that no
+rounding hides a difference.
 
 A collective inside a branch of a ``conditional`` counts with weight ``1/B``
-for ``B`` branches: the average per step when the branches alternate, as
-ACP-SGD's P and Q steps do.
+for ``B`` branches (the average when the branches alternate, as ACP-SGD's P
+and Q steps do) and carries its branch index, so a formula whose branches
+have other weights (DGC's warm-up stages) is compared branch by branch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from fractions import Fraction
 import math
 import re
-from typing import Any, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxcomp import base
+from jaxcomp import protocol
+
+
+class Kind(str, enum.Enum):
+  """The collectives XLA runs, named as its HLO names them."""
+
+  ALL_REDUCE = "all-reduce"
+  ALL_GATHER = "all-gather"
+  REDUCE_SCATTER = "reduce-scatter"
+  ALL_TO_ALL = "all-to-all"
+  COLLECTIVE_PERMUTE = "collective-permute"
+
+
+_KINDS = tuple(k.value for k in Kind)
+
+
+def ring_bytes(kind: str, group: int, buffer: int) -> Fraction:
+  """Bytes one device sends in a ring collective of ``kind`` over ``group`` devices.
+
+  ``buffer`` is the full buffer's bytes: the reduced one, the gathered one,
+  the one before scattering, or a permute's operand.
+  """
+  kind = Kind(kind)
+  if kind is Kind.COLLECTIVE_PERMUTE:
+    return Fraction(buffer)
+  if group <= 1:
+    return Fraction(0)
+  if kind is Kind.ALL_REDUCE:
+    return Fraction(2 * (group - 1) * buffer, group)
+  return Fraction((group - 1) * buffer, group)
+
+
+class Transfer(NamedTuple):
+  """One collective of a compressor's step, as its wire formula states it.
+
+  Attributes:
+    kind: a :class:`Kind` value.
+    group: devices taking part in it (1 for a permute: a pairwise exchange).
+    bytes: what one device sends in it.
+    weight: times per step on average (1/2: every other step).
+    branch: the index of the branch of the step's one ``lax.switch`` that
+      holds it, ``None`` outside any branch.
+  """
+
+  kind: str
+  group: int
+  bytes: Fraction
+  weight: Fraction = Fraction(1)
+  branch: Optional[int] = None
+
+
+# The collectives of one step.
+WireCost = tuple[Transfer, ...]
+
+
+def transfer(kind: str, group: int, buffer_bytes) -> Transfer:
+  """A :class:`Transfer` of a ``buffer_bytes`` buffer, priced by :func:`ring_bytes`."""
+  return Transfer(Kind(kind).value, group, ring_bytes(kind, group, buffer_bytes))
+
+
+def in_branch(cost: WireCost, branch: int, weight) -> WireCost:
+  """``cost`` run in branch ``branch`` of a switch, on a ``weight`` share of the steps."""
+  return tuple(t._replace(weight=t.weight * Fraction(weight), branch=branch) for t in cost)
+
+
+def allreduce(nbytes: int, group: int) -> WireCost:
+  """Ring all-reduce of a ``nbytes`` buffer over ``group`` devices."""
+  return (transfer(Kind.ALL_REDUCE, group, nbytes),)
+
+
+def _itemsize(wire_dtype) -> int:
+  return 4 if wire_dtype is None else jnp.dtype(wire_dtype).itemsize
+
+
+def _reduce(n: int, sizes: tuple[int, ...], itemsize: int) -> WireCost:
+  if len(sizes) == 1 and itemsize == 4:
+    return allreduce(n * itemsize, sizes[0])
+  size = sizes[0]
+  padded = -(-n // size) * size
+  scatter = Kind.REDUCE_SCATTER if itemsize == 4 else Kind.ALL_TO_ALL
+  inner = _reduce(padded // size, sizes[1:], itemsize) if len(sizes) > 1 else ()
+  return (transfer(scatter, size, padded * itemsize), *inner,
+          transfer(Kind.ALL_GATHER, size, padded * itemsize))
+
+
+def mean(n: int, axis_sizes: Sequence[int], *, wire_dtype=None) -> WireCost:
+  """:func:`jaxcomp.collectives.mean` of ``n`` f32 elements over axes of these sizes.
+
+  One axis in f32: a ring all-reduce. A pair of axes (the 2D torus) or a
+  16-bit ``wire_dtype``: reduce-scatter (all-to-all of the 16-bit chunks) of
+  ``n`` padded to a multiple of the first axis, the inner reduction of the
+  chunk over the second axis, all-gather back. Nothing for ``n == 0``.
+  """
+  if n == 0:
+    return ()
+  return _reduce(n, tuple(axis_sizes), _itemsize(wire_dtype))
+
+
+def torus_allreduce(n: int, rows: int, cols: int, itemsize: int = 4) -> WireCost:
+  """:func:`jaxcomp.collectives.torus_allreduce` of ``n`` elements on ``rows x cols``."""
+  return _reduce(n, (rows, cols), itemsize)
+
+
+def allgather(nbytes: int, group: int) -> WireCost:
+  """All-gather of ``nbytes`` from each of ``group`` devices: ``(G - 1) * nbytes``."""
+  return (transfer(Kind.ALL_GATHER, group, group * nbytes),)
+
+
+def sparse_allgather(k: int, group: int, value_itemsize: int = 4) -> WireCost:
+  """``(P - 1) * k * (value bytes + 4)``: all-gathers of ``k`` values and ``k`` int32 indices."""
+  return allgather(k * value_itemsize, group) + allgather(k * 4, group)
+
+
+def gtopk(k: int, group: int, value_itemsize: int = 4) -> WireCost:
+  """The gTop-k butterfly: ``log2(P)`` permutes of ``k`` values and ``k`` indices.
+
+  For P not a power of two the fold and the send-back count as two more
+  rounds, as the compiled program holds them (only the extra devices and
+  their partners use them).
+  """
+  power = 1 << (group.bit_length() - 1)
+  rounds = power.bit_length() - 1 + (2 if group != power else 0)
+  return tuple(
+      transfer(Kind.COLLECTIVE_PERMUTE, 1, k * itemsize)
+      for _ in range(rounds) for itemsize in (value_itemsize, 4)
+  )
+
+
+# ------------------------------------------------------------ the compiled program
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -31,7 +173,6 @@ _DTYPE_BYTES = {
     "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s+"
     r"(?P<op>" + "|".join(_KINDS) + r"|conditional|while|call)(?P<start>-start)?\("
@@ -51,13 +192,23 @@ class CollectiveOp:
   buffer_bytes: int
   bytes: Fraction
   weight: Fraction
+  branch: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class WireBytes:
-  """Bytes one device sends per step, per collective and in total."""
+  """Bytes one device sends per step: per collective, per kind and per branch.
+
+  Attributes:
+    ops: the collectives read from a compiled program (empty for a formula).
+    by_kind: weighted bytes per step, per :class:`Kind` value.
+    by_branch: unweighted bytes of each branch of the step's switch (``None``:
+      outside any branch), for comparing a formula with a program branch by
+      branch when the formula weights its branches by a schedule.
+  """
   ops: tuple[CollectiveOp, ...] = ()
   by_kind: dict[str, Fraction] = dataclasses.field(default_factory=dict)
+  by_branch: dict[Optional[int], Fraction] = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> Fraction:
@@ -65,6 +216,17 @@ class WireBytes:
 
   def __float__(self) -> float:
     return float(self.total)
+
+
+def _tally(items) -> WireBytes:
+  """:class:`WireBytes` of ``(kind, bytes, weight, branch)`` items."""
+  by_kind: dict[str, Fraction] = {}
+  by_branch: dict[Optional[int], Fraction] = {}
+  for kind, nbytes, weight, branch in items:
+    if nbytes:
+      by_kind[kind] = by_kind.get(kind, Fraction(0)) + nbytes * weight
+      by_branch[branch] = by_branch.get(branch, Fraction(0)) + nbytes
+  return WireBytes(by_kind=by_kind, by_branch=by_branch)
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -87,27 +249,17 @@ def _group_size(line: str, num_devices: int) -> int:
   return num_devices
 
 
-def _ring_bytes(kind: str, group: int, buffer: int) -> Fraction:
-  if kind == "collective-permute":
-    return Fraction(buffer)
-  if group <= 1:
-    return Fraction(0)
-  if kind == "all-reduce":
-    return Fraction(2 * (group - 1) * buffer, group)
-  if kind == "reduce-scatter":  # result is one of ``group`` chunks of the buffer
-    return Fraction((group - 1) * buffer)
-  return Fraction((group - 1) * buffer, group)  # all-gather, all-to-all
-
-
-def _buffer_bytes(kind: str, type_text: str, is_start: bool) -> int:
-  """Bytes of the buffer the ring formula is stated on (results only are printed)."""
+def _buffer_bytes(kind: str, type_text: str, is_start: bool, group: int) -> int:
+  """Bytes of the buffer the ring formula is stated on (HLO prints results only)."""
   sizes = _array_bytes(type_text)
-  if not is_start:
-    return sum(sizes)
-  # An async start returns (operands, results[, context]).
-  if kind == "all-reduce":
-    return sum(sizes)
-  return sizes[1] if kind == "collective-permute" else sum(sizes[len(sizes) // 2:])
+  if not is_start or kind == Kind.ALL_REDUCE:
+    result = sum(sizes)
+  elif kind == Kind.COLLECTIVE_PERMUTE:  # (operand, result, contexts...)
+    result = sizes[1]
+  else:  # (operands, results)
+    result = sum(sizes[len(sizes) // 2:])
+  # A reduce-scatter's result is one of ``group`` chunks of the full buffer.
+  return group * result if kind == Kind.REDUCE_SCATTER else result
 
 
 def _hlo_text(compiled: Any) -> str:
@@ -141,14 +293,16 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
   return computations, entry
 
 
-def _callees(line: str, op: str) -> list[tuple[str, Fraction]]:
+def _callees(line: str, op: str) -> list[tuple[str, Fraction, Optional[int]]]:
+  """``(computation, share of the caller's weight, branch index or None)`` of a call."""
   if op == "conditional":
     listed = re.search(r"branch_computations=\{([^}]*)\}", line)
     if listed:
       names = [n.strip().lstrip("%") for n in listed.group(1).split(",")]
-    else:
-      names = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
-    return [(n, Fraction(1, len(names))) for n in names]
+    else:  # a predicate: branch 0 is the false computation, as lax.cond lowers it
+      names = [re.search(r"false_computation=%?([\w.\-]+)", line).group(1),
+               re.search(r"true_computation=%?([\w.\-]+)", line).group(1)]
+    return [(n, Fraction(1, len(names)), i) for i, n in enumerate(names)]
   if op == "while":
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
     body = re.search(r"body=%?([\w.\-]+)", line)
@@ -159,9 +313,9 @@ def _callees(line: str, op: str) -> list[tuple[str, Fraction]]:
           "a collective-bearing `while` loop with no known trip count: its bytes"
           " per step cannot be read from the program"
       )
-    return [(body.group(1), Fraction(int(trips.group(1))))]
+    return [(body.group(1), Fraction(int(trips.group(1))), None)]
   called = re.search(r"to_apply=%?([\w.\-]+)", line)
-  return [(called.group(1), Fraction(1))] if called else []
+  return [(called.group(1), Fraction(1), None)] if called else []
 
 
 def collective_bytes(compiled: Any) -> WireBytes:
@@ -171,11 +325,9 @@ def collective_bytes(compiled: Any) -> WireBytes:
     compiled: ``jax.jit(f).lower(*args).compile()``, or its ``as_text()``.
 
   Returns:
-    :class:`WireBytes` with one :class:`CollectiveOp` per collective and the
-    totals by kind. Ring formulas, ``s`` the buffer's bytes and ``G`` the
-    replica group's size: all-reduce ``2(G-1)/G*s``; all-gather, all-to-all
-    and reduce-scatter ``(G-1)/G*s`` of the full (gathered or unscattered)
-    buffer; collective-permute its operand.
+    :class:`WireBytes` with one :class:`CollectiveOp` per collective, the
+    totals by kind and by branch, priced by :func:`ring_bytes` with ``G``
+    the replica group's size.
   """
   text = _hlo_text(compiled)
   header = text.split("\n", 1)[0]
@@ -187,57 +339,82 @@ def collective_bytes(compiled: Any) -> WireBytes:
   computations, entry = _split_computations(text)
   ops: list[CollectiveOp] = []
 
-  def visit(name: str, weight: Fraction) -> None:
+  def visit(name: str, weight: Fraction, branch: Optional[int]) -> None:
     for line in computations.get(name, []):
       match = _INSTRUCTION.match(line)
       if not match:
         continue
       op = match.group("op")
       if op in ("conditional", "while", "call"):
-        for callee, share in _callees(line, op):
-          visit(callee, weight * share)
+        for callee, share, index in _callees(line, op):
+          visit(callee, weight * share, branch if index is None else index)
         continue
-      buffer = _buffer_bytes(op, match.group("type"), bool(match.group("start")))
-      group = 1 if op == "collective-permute" else _group_size(line, num_devices)
+      group = 1 if op == Kind.COLLECTIVE_PERMUTE else _group_size(line, num_devices)
+      buffer = _buffer_bytes(op, match.group("type"), bool(match.group("start")), group)
       ops.append(CollectiveOp(
-          name=match.group("name"), kind=op, group_size=group,
-          buffer_bytes=buffer, bytes=_ring_bytes(op, group, buffer), weight=weight,
+          name=match.group("name"), kind=op, group_size=group, buffer_bytes=buffer,
+          bytes=ring_bytes(op, group, buffer), weight=weight, branch=branch,
       ))
 
-  visit(entry, Fraction(1))
-  by_kind: dict[str, Fraction] = {}
-  for op in ops:
-    if op.bytes:
-      by_kind[op.kind] = by_kind.get(op.kind, Fraction(0)) + op.bytes * op.weight
-  return WireBytes(ops=tuple(ops), by_kind=by_kind)
+  visit(entry, Fraction(1), None)
+  tally = _tally((op.kind, op.bytes, op.weight, op.branch) for op in ops)
+  return dataclasses.replace(tally, ops=tuple(ops))
+
+
+# ---------------------------------------------------------------- the formulas
 
 
 def expected_bytes(
-    tx: base.Compressor,
+    tx: Any,
     params: optax.Params,
-    num_devices: Union[int, tuple[int, int], dict[str, int]],
+    num_devices: Union[int, Sequence[int], Mapping[str, int]],
+    *,
+    steps: Optional[int] = None,
 ) -> WireBytes:
-  """The bytes per device per step that ``tx``'s wire formula predicts.
+  """The bytes per device per step that the formulas of the compressors in ``tx`` predict.
 
   Args:
-    tx: a jaxcomp compressor (it carries its formula as ``tx.wire_bytes``).
+    tx: a jaxcomp compressor, or any transformation that holds them
+      (``optax.chain``, ``optax.MultiSteps``, ...): every compressor found in
+      it counts.
     params: the parameters (or gradients, or their shapes) it will see.
     num_devices: the device count for one axis; ``(rows, cols)`` or a mesh
       shape dict for a pair of axes.
+    steps: for a compressor whose bytes follow a schedule (DGC's warm-up),
+      the average over the first ``steps`` steps; ``None``: after the
+      schedule, the steady state.
 
   Returns:
-    :class:`WireBytes` with ``by_kind`` and ``total`` (no ``ops``).
+    :class:`WireBytes` with ``by_kind``, ``by_branch`` and ``total`` (no
+    ``ops``).
+
+  Raises:
+    TypeError: ``tx`` holds no jaxcomp compressor.
   """
-  if not isinstance(tx, base.Compressor) or tx.wire_bytes is None:
+  specs = protocol.find_specs(tx)
+  if not specs:
     raise TypeError(
-        "`tx` must be a jaxcomp compressor (it carries its wire formula), got"
-        f" {type(tx).__name__}"
+        "`tx` must be a jaxcomp compressor or a transformation that holds one"
+        f" (optax.chain, optax.MultiSteps, ...); found none in {type(tx).__name__}"
     )
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  by_kind: dict[str, Fraction] = {}
-  for transfer in tx.wire_bytes(shapes, num_devices):
-    if transfer.bytes:
-      by_kind[transfer.kind] = (
-          by_kind.get(transfer.kind, Fraction(0)) + transfer.bytes * transfer.weight
-      )
-  return WireBytes(by_kind=by_kind)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+  items = []
+  for spec in specs:
+    sizes = base.normalize_axis_sizes(spec.axes, num_devices)
+    for t in spec.wire(shapes, sizes, steps):
+      items.append((t.kind, t.bytes, t.weight, t.branch))
+  return _tally(items)
+
+
+def transfers(
+    tx: Any, params: optax.Params, num_devices: Union[int, Sequence[int], Mapping[str, int]],
+    *, steps: Optional[int] = None,
+) -> WireCost:
+  """The :class:`Transfer` tuples of every compressor in ``tx`` (what a cost model prices)."""
+  specs = protocol.find_specs(tx)
+  if not specs:
+    raise TypeError(f"`tx` holds no jaxcomp compressor: {type(tx).__name__}")
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+  return tuple(
+      t for spec in specs
+      for t in spec.wire(shapes, base.normalize_axis_sizes(spec.axes, num_devices), steps))
