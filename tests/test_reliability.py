@@ -1,4 +1,4 @@
-"""Reliability of all nine compressors, trained end to end on 8 fake CPU devices.
+"""Reliability of every registered compressor, trained end to end on 8 fake CPU devices.
 
 For every compressor and mesh (a ring of 8 on axis ``data``, a 2x4 torus on
 ``("x", "y")``) one run of 200 steps of a small MLP through
@@ -26,12 +26,17 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
+
+if __name__ == "__main__":  # the fresh process of the resume test
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
 import numpy as np
 import optax
 import pytest
 
 import jaxcomp
+from jaxcomp import registry
 from jaxcomp import training
 
 STEPS = 200
@@ -42,19 +47,21 @@ BAD_DEVICE = 3
 PER_DEVICE_BATCH = 8
 MESHES = {"ring": (8, ("data",)), "torus": ((2, 4), ("x", "y"))}
 
-# name -> compressor for an axis; configured for the MLP below (n = 676).
-COMPRESSORS = {
-    "allreduce": lambda axis: jaxcomp.allreduce(axis),
-    "cast": lambda axis: jaxcomp.cast(jnp.bfloat16, axis),
-    "topk": lambda axis: jaxcomp.topk(0.05, axis),
-    "gtopk": lambda axis: jaxcomp.gtopk(0.05, axis),
-    "randomk": lambda axis: jaxcomp.randomk(0.1, axis, seed=1),
-    "dgc": lambda axis: jaxcomp.dgc(
-        0.01, axis, momentum=0.9, clip_norm=1.0, warmup_steps=40, sample_ratio=0.25),
-    "signsgd": lambda axis: jaxcomp.signsgd(axis),
-    "powersgd": lambda axis: jaxcomp.powersgd(2, axis),
-    "acpsgd": lambda axis: jaxcomp.acpsgd(2, axis),
-}
+# Every registered method, configured for the MLP below (n = 676): what a
+# model this small needs to send anything, and DGC with all five of its parts.
+SMALL_MODEL = {"density": 0.05, "rank": 2, "levels": 8, "bucket_size": 128}
+EXTRA = {"randomk": {"density": 0.1, "seed": 1},
+         "dgc": {"density": 0.01, "momentum": 0.9, "clip_norm": 1.0, "warmup_steps": 40,
+                 "sample_ratio": 0.25}}
+
+
+def _compressor(name: str, axis):
+  defaults = registry.get(name).defaults
+  config = {k: v for k, v in SMALL_MODEL.items() if k in defaults}
+  return registry.build(name, axis, **{**config, **EXTRA.get(name, {})})
+
+
+COMPRESSORS = {name: functools.partial(_compressor, name) for name in registry.names()}
 CASES = [(name, mesh) for name in COMPRESSORS for mesh in MESHES]
 
 
@@ -63,13 +70,15 @@ def _axis(names):
 
 
 def _optimizer(name: str, mesh_name: str) -> optax.GradientTransformation:
-  """adamw on the ring, SGD behind ``apply_if_finite`` on the torus.
+  """adamw (SGD after DGC) on the ring, SGD behind ``apply_if_finite`` on the torus.
 
-  DGC carries its momentum inside, so plain SGD follows it.
+  DGC carries its momentum inside, so plain SGD follows it (the registry
+  refuses a momentum optimizer after it).
   """
+  carries_momentum = bool(registry.get(name).forbids_after)
   if mesh_name == "ring":
-    return optax.adamw(1e-2)
-  sgd = optax.sgd(0.05) if name == "dgc" else optax.sgd(0.05, momentum=0.9)
+    return optax.sgd(0.05) if carries_momentum else optax.adamw(1e-2)
+  sgd = optax.sgd(0.05) if carries_momentum else optax.sgd(0.05, momentum=0.9)
   return optax.apply_if_finite(sgd, max_consecutive_errors=5)
 
 
@@ -129,7 +138,8 @@ class _Setup:
     """Steps ``first`` to ``last - 1``; ``on_step(step, params, state, metrics)`` after each."""
     for step in range(first, last):
       batch = training.shard(_batch(step, self.devices, self.bad), self.mesh, self.axis)
-      params, state, metrics = self.step(params, state, batch)
+      # Blocked on every step: queued steps make XLA:CPU abort its collectives.
+      params, state, metrics = jax.block_until_ready(self.step(params, state, batch))
       if on_step is not None:
         on_step(step + 1, params, state, metrics)
     return params, state
@@ -300,11 +310,12 @@ BAD_ARGUMENTS = {
     "density > 1": (lambda: jaxcomp.gtopk(1.5, "data"), ValueError, r"`density` must be in \(0, 1\]"),
     "density NaN": (lambda: jaxcomp.randomk(float("nan"), "data"), ValueError, r"`density` must be in \(0, 1\]"),
     "density not a number": (lambda: jaxcomp.dgc("0.1", "data"), TypeError, r"`density`"),
-    "rank < 1": (lambda: jaxcomp.powersgd(0, "data"), ValueError, r"`rank` must be >= 1"),
-    "rank not an int": (lambda: jaxcomp.acpsgd(1.5, "data"), TypeError, r"`rank` must be an int >= 1"),
+    "rank < 1": (lambda: jaxcomp.powersgd(0, "data"), ValueError, r"`rank` must be in \[1, inf\)"),
+    "rank not an int": (lambda: jaxcomp.acpsgd(1.5, "data"), TypeError,
+                        r"`rank` must be an int in \[1, inf\)"),
     "min_compression_rate < 1": (
         lambda: jaxcomp.powersgd(2, "data", min_compression_rate=0.5), ValueError,
-        r"`min_compression_rate` must be >= 1"),
+        r"`min_compression_rate` must be in \[1, inf\)"),
     "momentum >= 1": (lambda: jaxcomp.dgc(0.01, "data", momentum=1.0), ValueError,
                       r"`momentum` must be in \[0, 1\)"),
     "momentum < 0": (lambda: jaxcomp.dgc(0.01, "data", momentum=-0.1), ValueError,
@@ -312,7 +323,7 @@ BAD_ARGUMENTS = {
     "sample_ratio 0": (lambda: jaxcomp.dgc(0.01, "data", sample_ratio=0.0), ValueError,
                        r"`sample_ratio` must be in \(0, 1\]"),
     "warmup_steps < 0": (lambda: jaxcomp.dgc(0.01, "data", warmup_steps=-1), ValueError,
-                         r"`warmup_steps` must be >= 0"),
+                         r"`warmup_steps` must be in \[0, inf\)"),
     "clip_norm <= 0": (lambda: jaxcomp.dgc(0.01, "data", clip_norm=0.0), ValueError,
                        r"`clip_norm` must be None or in \(0, inf\)"),
     "cast to an integer dtype": (lambda: jaxcomp.cast(jnp.int32, "data"), TypeError,
@@ -320,7 +331,9 @@ BAD_ARGUMENTS = {
     "cast to float64": (lambda: jaxcomp.cast(jnp.float64, "data"), TypeError,
                         r"`dtype` must be a 16- or 32-bit floating dtype"),
     "seed out of range": (lambda: jaxcomp.randomk(0.1, "data", seed=-1), ValueError,
-                          r"`seed` must be in \[0, 2\*\*32\)"),
+                          r"`seed` must be in \[0, 4294967296\)"),
+    "levels out of range": (lambda: jaxcomp.qsgd(128, "data"), ValueError,
+                            r"`levels` must be in \[1, 127\]"),
     "flag not a bool": (lambda: jaxcomp.signsgd("data", majority_vote="yes"), TypeError,
                         r"`majority_vote` must be a bool"),
     "empty axis name": (lambda: jaxcomp.allreduce(""), ValueError, r"`axis_name` must be a non-empty"),
@@ -339,6 +352,39 @@ def test_bad_argument_is_named_at_construction(row):
     make()
 
 
+# One rule for every hyperparameter: numpy scalars of the right kind are numbers.
+NUMPY_SCALARS = {
+    "density": lambda: jaxcomp.topk(np.float32(0.25), "data"),
+    "rank": lambda: jaxcomp.powersgd(np.int64(2), "data"),
+    "min_compression_rate": lambda: jaxcomp.acpsgd(2, "data", np.float32(1.5)),
+    "seed": lambda: jaxcomp.randomk(0.1, "data", seed=np.uint32(7)),
+    "momentum, warmup_steps, clip_norm, sample_ratio": lambda: jaxcomp.dgc(
+        np.float64(0.01), "data", momentum=np.float32(0.5), warmup_steps=np.int32(8),
+        clip_norm=np.float32(2.0), sample_ratio=np.float16(0.5)),
+    "levels, bucket_size": lambda: jaxcomp.qsgd(np.int8(4), "data", bucket_size=np.int64(64)),
+    "a flag": lambda: jaxcomp.signsgd("data", majority_vote=np.bool_(True)),
+}
+
+
+@pytest.mark.parametrize("row", NUMPY_SCALARS)
+def test_numpy_scalars_of_the_right_kind_are_accepted(row):
+  tx = NUMPY_SCALARS[row]()
+  config = jaxcomp.protocol.spec(tx).config
+  for value in config.values():  # stored as plain Python values
+    assert not isinstance(value, np.generic)
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda: jaxcomp.powersgd(np.float32(2.0), "data"), TypeError),
+    (lambda: jaxcomp.topk(np.bool_(True), "data"), TypeError),
+    (lambda: jaxcomp.dgc(0.1, "data", warmup_steps=np.float32(3.0)), TypeError),
+    (lambda: jaxcomp.topk(np.array([0.1]), "data"), TypeError),
+])
+def test_numpy_values_of_the_wrong_kind_are_refused(call, error):
+  with pytest.raises(error):
+    call()
+
+
 def _update_on_ring(tx, params, grads):
   """``tx.update`` on 8 devices of axis ``data`` (traced, so checks at first trace run)."""
   mesh = training.make_mesh(8)
@@ -354,7 +400,13 @@ def test_unknown_axis_is_named_at_first_trace(name):
     _update_on_ring(COMPRESSORS[name]("model"), params, params)
 
 
-@pytest.mark.parametrize("name", [n for n in COMPRESSORS if n not in ("allreduce", "cast")])
+def _keeps_per_leaf_state(name: str) -> bool:
+  """Whether the method's default state holds arrays shaped like the parameters."""
+  state = COMPRESSORS[name]("data").init({"w": np.ones((6, 4), np.float32)})
+  return any(np.shape(x) == (6, 4) for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("name", [n for n in COMPRESSORS if _keeps_per_leaf_state(n)])
 def test_updates_unlike_the_params_are_named_at_first_trace(name):
   params = {"w": np.ones((6, 4), np.float32), "b": np.ones(4, np.float32)}
   grads = {"w": np.ones((6, 5), np.float32), "b": np.ones(4, np.float32)}
@@ -363,5 +415,4 @@ def test_updates_unlike_the_params_are_named_at_first_trace(name):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["resume"]:
-  jax.config.update("jax_num_cpu_devices", 8)
   _resume(*sys.argv[2:6])
