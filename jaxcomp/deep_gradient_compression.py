@@ -207,12 +207,6 @@ def dgc(
   )
   seed = base.check_seed(seed)
 
-  def layout(tree):
-    return fusion.Bucket.of(tree, where) + fusion.Bucket.of(tree, lambda s: not where(s))
-
-  def sparse_size(bucket) -> int:
-    return sum(n for shape, n in zip(bucket.shapes, bucket.sizes) if where(shape))
-
   def accumulate(u, g):
     """``(new u, what v accumulates)``: the momentum correction."""
     if nesterov:
@@ -226,16 +220,15 @@ def dgc(
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(ctx.num_devices)
       gradient = gradient * jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
-    n_s = sparse_size(ctx.bucket)
+    n_s = _sparse(ctx.bucket, where).size
     u, acc = accumulate(ctx.bucket.flatten(state.momentum)[:n_s], gradient[:n_s])
     return jnp.concatenate([acc, gradient[n_s:]]), u
 
   def step(ctx, corrected, state):
-    bucket, n_s = ctx.bucket, sparse_size(ctx.bucket)
-    sparse_count = sum(1 for shape in bucket.shapes if where(shape))
+    sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
     means, kept, momenta, witness = [], [], [], []
-    if n_s:
-      velocity, u = corrected[:n_s], ctx.carry
+    if sparse.size:
+      velocity, u = corrected[:sparse.size], ctx.carry
 
       def exchange(k):
         if sample_ratio == 1.0:
@@ -244,60 +237,67 @@ def dgc(
           values, indices = selection.sampled_topk(velocity, k, k, ctx.key, sample_ratio)
         all_values, all_indices = ctx.sparse_allgather(values, indices)
         # What was sent leaves the velocity, and its momentum is masked.
-        return (collectives.densify(all_values, all_indices, n_s),
+        return (collectives.densify(all_values, all_indices, sparse.size),
                 velocity.at[indices].set(0.0, mode="drop"), u.at[indices].set(0.0, mode="drop"))
 
-      ks = _stage_ks(density, warmup_steps, n_s)
+      ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
-        stage = jnp.where(ctx.count >= warmup_steps, len(ks) - 1,
-                          ctx.count * len(WARMUP_DENSITIES) // warmup_steps)
         sparse_mean, velocity, u = ctx.switch(
-            stage, [functools.partial(exchange, k) for k in ks])
+            _stage(ctx.count, warmup_steps), [functools.partial(exchange, k) for k in ks])
       else:
         sparse_mean, velocity, u = exchange(ks[-1])
-      sizes = bucket.sizes[:sparse_count]
-      means, kept, momenta = (_split(x, sizes) for x in (sparse_mean, velocity, u))
+      means, kept, momenta = (sparse.split(x) for x in (sparse_mean, velocity, u))
       witness.append(sparse_mean)
-    dense_sizes = bucket.sizes[sparse_count:]
-    if dense_sizes:
-      u, out = accumulate(bucket.flatten(state.momentum)[n_s:], ctx.mean(corrected[n_s:]))
-      means += _split(out, dense_sizes)
-      kept += [None] * len(dense_sizes)
-      momenta += _split(u, dense_sizes)
+    if dense.size:
+      u, out = accumulate(dense.flatten(state.momentum), ctx.mean(corrected[sparse.size:]))
+      means += dense.split(out)
+      kept += [None] * len(dense.leaves)
+      momenta += dense.split(u)
       witness.append(out)
     return protocol.Output(
         mean=means, residual=kept, witness=witness,
-        state={"momentum": error_feedback.absorb(bucket, momenta, state.momentum)})
-
-  def init(params, bucket):
-    del bucket
-    return {"momentum": error_feedback.init(params)}
+        state={"momentum": error_feedback.absorb(ctx.bucket, momenta, state.momentum)})
 
   def wire_cost(bucket, sizes, steps):
-    n_s = sparse_size(bucket)
-    cost = ()
-    if n_s:
-      stages = [wire.sparse_allgather(k, math.prod(sizes))
-                for k in _stage_ks(density, warmup_steps, n_s)]
-      if warmup_steps:
-        cost = sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(
-            zip(stages, stage_weights(warmup_steps, steps)))), ())
-      else:
-        cost = stages[0]
-    return cost + wire.mean(bucket.size - n_s, sizes)
+    n_s = _sparse(bucket, where).size
+    cost = wire.mean(bucket.size - n_s, sizes)
+    if not n_s:
+      return cost
+    stages = [wire.sparse_allgather(k, math.prod(sizes))
+              for k in _stage_ks(density, warmup_steps, n_s)]
+    if not warmup_steps:
+      return stages[0] + cost
+    weights = stage_weights(warmup_steps, steps)
+    return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(stages, weights))),
+               cost)
 
   return protocol.compressor(protocol.Method(
       name="dgc",
       config=dict(density=density, axis_name=axis_name, momentum=momentum, nesterov=nesterov,
                   clip_norm=clip_norm, warmup_steps=warmup_steps, sample_ratio=sample_ratio,
                   seed=seed, sparse_leaves=sparse_leaves),
-      axes=axes, state=DGCState, step=step, wire=wire_cost, init=init, layout=layout,
-      error_feedback=True, prepare=prepare, seed=seed))
+      axes=axes, state=DGCState, step=step, wire=wire_cost,
+      init=lambda params, bucket: {"momentum": error_feedback.init(params)},
+      layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
+      seed=seed))
 
 
-def _split(flat: jax.Array, sizes) -> list[jax.Array]:
-  out, offset = [], 0
-  for n in sizes:
-    out.append(flat[offset:offset + n])
-    offset += n
-  return out
+def _sparse_first(tree, where) -> fusion.Bucket:
+  """The bucket order: the sparse leaves, then the dense ones (tree order within each)."""
+  return fusion.Bucket.of(tree, where) + fusion.Bucket.of(tree, lambda s: not where(s))
+
+
+def _sparse(bucket: fusion.Bucket, where) -> fusion.Bucket:
+  """The sparse leaves of a :func:`_sparse_first` bucket (its head)."""
+  return bucket.part(0, sum(1 for shape in bucket.shapes if where(shape)))
+
+
+def _dense(bucket: fusion.Bucket, where) -> fusion.Bucket:
+  """The dense leaves of a :func:`_sparse_first` bucket (its tail)."""
+  return bucket.part(len(_sparse(bucket, where).leaves), len(bucket.leaves))
+
+
+def _stage(count: jax.Array, warmup_steps: int) -> jax.Array:
+  """The warm-up stage of step ``count``: 0 to 3, then 4 after the warm-up."""
+  stages = len(WARMUP_DENSITIES)
+  return jnp.where(count >= warmup_steps, stages, count * stages // warmup_steps)

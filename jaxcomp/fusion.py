@@ -65,6 +65,10 @@ class Bucket:
     return Bucket(self.leaves + other.leaves, self.shapes + other.shapes,
                   self.dtypes + other.dtypes)
 
+  def part(self, start: int, stop: int) -> "Bucket":
+    """The bucket of its leaves ``start`` to ``stop - 1`` (a contiguous run of the flat buffer)."""
+    return Bucket(self.leaves[start:stop], self.shapes[start:stop], self.dtypes[start:stop])
+
   @property
   def sizes(self) -> tuple[int, ...]:
     return tuple(math.prod(s) for s in self.shapes)
