@@ -171,6 +171,16 @@ def allgather(x: jax.Array, axis_name: base.AxisName) -> jax.Array:
   return lax.all_gather(x, axes[0] if len(axes) == 1 else axes)
 
 
+def all_to_all(x: jax.Array, axis_name: base.AxisName) -> jax.Array:
+  """Row ``i`` of ``x`` (``[P, ...]``) to device ``i``: row ``j`` of the result came from device ``j``.
+
+  A pair of axes exchanges over both at once (devices in row-major order).
+  """
+  axes = base.check_axis_name(axis_name)
+  base.axis_sizes(axes)
+  return lax.all_to_all(x, axes[0] if len(axes) == 1 else axes, 0, 0, tiled=True)
+
+
 def _sort_key(values: jax.Array, indices: jax.Array) -> jax.Array:
   """Magnitude to rank by: NaN ranks first (so poison survives), empty slots last."""
   magnitude = jnp.abs(values)

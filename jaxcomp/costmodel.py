@@ -45,6 +45,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp import registry
@@ -180,7 +181,7 @@ def recommend(
   if unknown:
     raise ValueError(
         f"unknown methods {unknown}; `methods` must be among {list(registry.names())}")
-  if isinstance(num_devices, int):
+  if isinstance(num_devices, (int, np.integer)):
     axis_name: Any = "data"
   else:
     axis_name = ("x", "y")

@@ -108,6 +108,10 @@ class Context:
     """Every device's ``message`` (bytes; floats in it went through :meth:`send`)."""
     return collectives.allgather(message, self.axes)
 
+  def all_to_all(self, message: jax.Array) -> jax.Array:
+    """Row ``i`` of ``message`` (``[P, ...]`` bytes) to device ``i``; row ``j`` back from device ``j``."""
+    return collectives.all_to_all(message, self.axes)
+
   def switch(self, index: jax.Array, branches: Sequence[Callable], *operands):
     """``lax.switch`` on an ``index`` derived from ``count`` (the same on every device).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
+import numpy as np
 import optax
 
 from jaxcomp import base
@@ -113,8 +114,9 @@ def wire_cost(
     name: str, params: optax.Params, num_devices, *, steps: Optional[int] = None,
     **config: Any,
 ) -> wire.WireCost:
-  """The transfers of one step of ``name`` (one axis, or a pair for ``(rows, cols)``)."""
-  axis_name = "data" if isinstance(num_devices, int) else ("x", "y")
+  """The transfers of one step of ``name``: on one axis for a device count, on a
+  pair of axes ``("x", "y")`` for a mesh shape ``(rows, cols)`` or ``{"x": rows, "y": cols}``."""
+  axis_name = "data" if isinstance(num_devices, (int, np.integer)) else ("x", "y")
   return wire.transfers(build(name, axis_name, **config), params, num_devices, steps=steps)
 
 

@@ -65,6 +65,29 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
   return level.astype(jnp.int8).reshape(-1), norms
 
 
+def _pack(level: jax.Array, norms: jax.Array) -> jax.Array:
+  """uint8 ``[..., m B + 4 m]``: the int8 levels, then the f32 norms, as bytes."""
+  norm_bytes = lax.bitcast_convert_type(norms, jnp.uint8)
+  return jnp.concatenate([lax.bitcast_convert_type(level, jnp.uint8),
+                          norm_bytes.reshape(norms.shape[:-1] + (-1,))], axis=-1)
+
+
+def _decode(message: jax.Array, levels: int, block: int) -> jax.Array:
+  """f32 ``[..., m B]``: the values of :func:`_pack`'s messages (``[..., m B + 4 m]``)."""
+  size = message.shape[-1] * block // (block + 4)
+  level = lax.bitcast_convert_type(message[..., :size], jnp.int8).astype(jnp.float32)
+  norms = lax.bitcast_convert_type(
+      message[..., size:].reshape(message.shape[:-1] + (-1, 4)), jnp.float32)
+  steps = level.reshape(level.shape[:-1] + (-1, block))
+  return (norms[..., None] / levels * steps).reshape(level.shape)
+
+
+def _chunk(n: int, devices: int, bucket_size: int) -> tuple[int, int]:
+  """``(block, chunk)``: entries per norm, and per device (a multiple of ``block``)."""
+  block = min(bucket_size, -(-n // devices))
+  return block, -(-n // (devices * block)) * block
+
+
 def qsgd(
     levels: int,
     axis_name: base.AxisName,
@@ -73,38 +96,45 @@ def qsgd(
     error_feedback: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformation:
-  """QSGD: unbiased stochastic quantization to ``s`` levels per bucket of entries.
+  """QSGD: unbiased stochastic quantization to ``s`` levels, reduced in two quantized hops.
 
-  The fused gradient ``c`` (plus the residual with error feedback) is cut
-  into buckets of ``bucket_size`` entries; each bucket ``b`` sends its L2 norm
-  ``||c_b||`` (f32, divided by ``P``) and, per entry, an int8 level
-  ``sign(c_i) l_i`` with ``l_i`` in ``{0, ..., s}``: ``floor(s |c_i| /
-  ||c_b||)``, rounded up with probability equal to the remainder, so that
-  ``E[||c_b|| / s * sign(c_i) l_i] = c_i`` (the estimate is unbiased; its
-  variance falls with ``s`` and with smaller buckets). One all-gather
-  carries every device's message; every device decodes the same bytes::
+  The fused gradient ``c`` (plus the residual with error feedback), padded
+  to ``P`` equal chunks, is cut into buckets of ``B`` entries; each bucket
+  ``b`` is sent as its L2 norm ``||c_b||`` (f32, divided by ``P``) and, per
+  entry, an int8 level ``sign(c_i) l_i`` with ``l_i`` in ``{0, ..., s}``:
+  ``floor(s |c_i| / ||c_b||)``, rounded up with probability equal to the
+  remainder, so that ``E[||c_b|| / s * sign(c_i) l_i] = c_i`` (unbiased; the
+  variance falls with ``s`` and with smaller buckets). The mean is reduced as
+  a quantized reduce-scatter and all-gather, so the bytes fall like a dense
+  all-reduce's with the device count:
 
-    update_i = sum_p ||c_b||_p / P / s * level_{p,i}
+  1. all-to-all: chunk ``j`` of every device's quantized gradient goes to
+     device ``j``, which decodes the ``P`` of them and sums them in f32;
+  2. device ``j`` quantizes that chunk of the mean again (a fresh draw) and
+     an all-gather brings every chunk to every device, decoded alike.
 
   The rounding draws differ per device (the step's key folded with the
-  device's index): the noise averages out across devices.
+  device's index), so the noise averages out across devices. Error feedback
+  keeps what this device's own quantization dropped, ``c - Q(c)``.
 
   Args:
     levels: ``s``, the number of quantization levels, an int in [1, 127].
-    axis_name: the data-parallel mesh axis, or a pair of axes (the all-gather
-      runs over the whole mesh).
-    bucket_size: entries per norm, an int >= 1 (the paper's 512 by default).
-    error_feedback: keep ``c - decode(own message)`` in a per-device residual.
+    axis_name: the data-parallel mesh axis, or a pair of axes (both hops
+      run over the whole mesh).
+    bucket_size: entries per norm, an int >= 1 (the paper's 512 by default;
+      at most a device's chunk, ``ceil(n / P)``).
+    error_feedback: keep ``c - Q(c)`` in a per-device residual.
     seed: PRNG seed of the rounding, an int in ``[0, 2**32)``.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`QSGDState`, whose
-    ``update`` returns the mean of the decoded gradients, identical on every
-    device, in the dtype of ``updates``.
+    ``update`` returns the decoded mean, identical on every device, in the
+    dtype of ``updates``.
 
-  Wire: one all-gather of ``m B + 4 m`` bytes per device, ``m = ceil(n /
-  B)`` buckets of ``B`` int8 levels and one f32 norm each: ``(P - 1) (m B +
-  4 m)`` bytes, about ``4x`` less than dense f32 for ``P`` large.
+  Wire: a chunk of ``C = ceil(n / (P B)) B`` entries is ``C + 4 C / B``
+  bytes (int8 levels, f32 norms); the all-to-all and the all-gather each
+  send ``(P - 1)`` chunks: ``2 (P - 1) (C + 4 C / B)`` bytes per device, about
+  ``2 (P - 1) / P * n``: a quarter of the dense f32 all-reduce's bytes.
 
   Example::
 
@@ -125,29 +155,29 @@ def qsgd(
 
   def step(ctx, corrected, state):
     del state
-    n = ctx.bucket.size
-    block = min(bucket_size, n)
-    own = jax.random.fold_in(ctx.key, lax.axis_index(axes[0] if len(axes) == 1 else axes))
-    level, norms = quantize(corrected, levels, block, own)
-    message = jnp.concatenate([
-        lax.bitcast_convert_type(level, jnp.uint8),
-        lax.bitcast_convert_type(ctx.send(norms), jnp.uint8).reshape(-1)])
-    gathered = ctx.allgather(message)
-    size = level.shape[0]
-    all_levels = lax.bitcast_convert_type(gathered[:, :size], jnp.int8)
-    all_norms = lax.bitcast_convert_type(
-        gathered[:, size:].reshape(gathered.shape[0], -1, 4), jnp.float32)
-    all_steps = all_levels.astype(jnp.float32).reshape(gathered.shape[0], -1, block)
-    mean = jnp.sum(all_norms[:, :, None] / levels * all_steps, axis=0).reshape(-1)[:n]
-    own_decoded = (norms[:, None] / levels * level.astype(jnp.float32).reshape(
-        -1, block)).reshape(-1)[:n]
-    return protocol.Output(mean=mean, residual=corrected - own_decoded)
+    n, devices = ctx.bucket.size, ctx.num_devices
+    block, chunk = _chunk(n, devices, bucket_size)
+    own, again = jax.random.split(jax.random.fold_in(ctx.key, lax.axis_index(
+        axes[0] if len(axes) == 1 else axes)))
+    padded = jnp.pad(corrected, (0, devices * chunk - n))
+    level, norms = quantize(padded, levels, block, own)
+    # Hop 1: chunk j of every device to device j, summed there in f32.
+    outgoing = _pack(level.reshape(devices, chunk),
+                     ctx.send(norms).reshape(devices, chunk // block))
+    chunk_mean = jnp.sum(_decode(ctx.all_to_all(outgoing), levels, block), axis=0)
+    # Hop 2: each device's chunk of the mean, quantized again, to every device.
+    mean_level, mean_norms = quantize(chunk_mean, levels, block, again)
+    gathered = ctx.allgather(_pack(mean_level, mean_norms))
+    sent = norms[:, None] / levels * level.astype(jnp.float32).reshape(-1, block)
+    return protocol.Output(mean=_decode(gathered, levels, block).reshape(-1)[:n],
+                           residual=corrected - sent.reshape(-1)[:n])
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    block = min(bucket_size, bucket.size)
-    blocks = -(-bucket.size // block)
-    return wire.allgather(blocks * block + 4 * blocks, math.prod(sizes))
+    devices = math.prod(sizes)
+    block, chunk = _chunk(bucket.size, devices, bucket_size)
+    message = chunk + 4 * (chunk // block)
+    return wire.all_to_all(message, devices) + wire.allgather(message, devices)
 
   return protocol.compressor(protocol.Method(
       name="qsgd",

@@ -144,6 +144,11 @@ def allgather(nbytes: int, group: int) -> WireCost:
   return (transfer(Kind.ALL_GATHER, group, group * nbytes),)
 
 
+def all_to_all(nbytes: int, group: int) -> WireCost:
+  """All-to-all of ``nbytes`` to each of ``group`` devices: ``(G - 1) * nbytes``."""
+  return (transfer(Kind.ALL_TO_ALL, group, group * nbytes),)
+
+
 def sparse_allgather(k: int, group: int, value_itemsize: int = 4) -> WireCost:
   """``(P - 1) * k * (value bytes + 4)``: all-gathers of ``k`` values and ``k`` int32 indices."""
   return allgather(k * value_itemsize, group) + allgather(k * 4, group)
@@ -347,7 +352,9 @@ def collective_bytes(compiled: Any) -> WireBytes:
       op = match.group("op")
       if op in ("conditional", "while", "call"):
         for callee, share, index in _callees(line, op):
-          visit(callee, weight * share, branch if index is None else index)
+          # A branch index is the outermost switch's: a cond nested in a
+          # branch (a selection's exact fallback) stays in that branch.
+          visit(callee, weight * share, index if branch is None else branch)
         continue
       group = 1 if op == Kind.COLLECTIVE_PERMUTE else _group_size(line, num_devices)
       buffer = _buffer_bytes(op, match.group("type"), bool(match.group("start")), group)

@@ -15,24 +15,20 @@ BUCKET = 16
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 elements: a partial last bucket
 
 
-def _oracle(corrected, draws, levels, bucket):
-  """numpy QSGD of one device: ``(levels [m * bucket], norms [m])`` from its uniform draws."""
-  n = corrected.shape[0]
-  blocks = -(-n // bucket)
-  x = np.zeros(blocks * bucket, np.float64)
-  x[:n] = corrected
-  x = x.reshape(blocks, bucket)
-  norms = np.sqrt((x * x).sum(axis=1))
-  scaled = levels * np.abs(x) / np.where(norms == 0, 1, norms)[:, None]
+def _quantize(x, draws, levels, block):
+  """numpy QSGD of a flat f32 ``x`` (a multiple of ``block``): its decoded values."""
+  x = x.reshape(-1, block).astype(np.float32)
+  norms = np.sqrt((x * x).sum(axis=1, dtype=np.float32))
+  scaled = np.float32(levels) * np.abs(x) / np.where(norms == 0, 1, norms)[:, None]
   floor = np.floor(scaled)
-  level = np.minimum(floor + (draws.reshape(blocks, bucket) < scaled - floor), levels)
-  return (np.sign(x) * level).reshape(-1), norms
+  level = np.minimum(floor + (draws.reshape(x.shape) < scaled - floor), levels)
+  return (norms[:, None] / np.float32(levels) * np.sign(x) * level).reshape(-1)
 
 
-def _draws(seed, device, size):
-  """The uniform draws of device ``device`` at the first step (the documented key rule)."""
+def _keys(seed, device):
+  """The two draw keys of ``device`` at the first step (the documented key rule)."""
   _, draw = jax.random.split(jax.random.wrap_key_data(jaxcomp.base.raw_key(seed)))
-  return np.asarray(jax.random.uniform(jax.random.fold_in(draw, device), (size,)))
+  return jax.random.split(jax.random.fold_in(draw, device))
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
@@ -45,18 +41,22 @@ def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
            "b": rng.normal(size=(8, 5)).astype(np.float32)}
   out, new_state = jax.block_until_ready(training.make_update(tx, mesh, "data")(
       training.shard(grads, mesh, "data"), state))
-  n = 53
-  blocks = -(-n // BUCKET)
-  mean = np.zeros(n)
+  n, block = 53, 7  # a bucket is at most a device's chunk: ceil(53 / 8) entries
+  chunk = 7
+  chunk_sums = np.zeros((8, chunk), np.float32)
   for device in range(8):
     corrected = np.concatenate([grads["b"][device], grads["w"][device].reshape(-1)])
-    levels, norms = _oracle(corrected, _draws(5, device, blocks * BUCKET), LEVELS, BUCKET)
-    decoded = (np.repeat(norms, BUCKET) / LEVELS * levels)[:n]
-    mean += decoded / 8
+    padded = np.pad(corrected, (0, 8 * chunk - n))
+    own, _ = _keys(5, device)
+    decoded = _quantize(padded, np.asarray(jax.random.uniform(own, (8 * chunk,))), LEVELS, block)
+    chunk_sums += decoded.reshape(8, chunk) / 8
     if error_feedback:
       residual = np.concatenate([np.asarray(new_state.residual["b"][device]),
                                  np.asarray(new_state.residual["w"][device]).reshape(-1)])
-      np.testing.assert_allclose(residual, corrected - decoded, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(residual, corrected - decoded[:n], rtol=1e-5, atol=1e-6)
+  mean = np.concatenate([
+      _quantize(chunk_sums[j], np.asarray(jax.random.uniform(_keys(5, j)[1], (chunk,))),
+                LEVELS, block) for j in range(8)])[:n]
   got = np.concatenate([np.asarray(out["b"][0]), np.asarray(out["w"][0]).reshape(-1)])
   np.testing.assert_allclose(got, mean, rtol=1e-5, atol=1e-6)
   if not error_feedback:
@@ -92,10 +92,16 @@ def test_rounding_noise_differs_per_device_and_per_step():
   assert not np.array_equal(seen[0], seen[1])
 
 
-def test_bucket_larger_than_the_gradient_sends_no_padding():
-  tx = jaxcomp.qsgd(8, "data", bucket_size=4096)
-  got = wire.expected_bytes(tx, PARAMS, 8)
-  assert got.total == 7 * (53 + 4)  # 53 int8 levels and one f32 norm from each device
+def test_bytes_fall_like_a_dense_all_reduce():
+  # 53 elements on 8 devices: chunks of 7 int8 levels and one f32 norm, 11 bytes,
+  # sent to 7 devices in the all-to-all and again in the all-gather.
+  assert wire.expected_bytes(jaxcomp.qsgd(8, "data", bucket_size=4096), PARAMS, 8).total == 154
+  n = 1 << 20
+  big = {"w": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  for devices in (8, 64):
+    qsgd_bytes = wire.expected_bytes(jaxcomp.qsgd(8, "data"), big, devices).total
+    dense = wire.expected_bytes(jaxcomp.allreduce("data"), big, devices).total
+    assert 3.9 < dense / qsgd_bytes < 4.0
 
 
 @pytest.mark.parametrize("kwargs,error", [
