@@ -2,12 +2,15 @@
 
 On one process with a mesh of one device the collectives cost next to
 nothing, so the time of ``update`` (compress, reduce, decompress) is the
-compressor's compute. Gradient shapes are generated (``experiments.shapes``):
-ResNet-50 and a 12-layer, width-768 transformer. Each row is the median of
-``--repeats`` timed steps after a warm-up step (the compile), the state fed back
-from step to step (ACP-SGD alternates its two halves); the ratio is to dense
-``allreduce`` timed in the same run. The last column is the formula's bytes
-per device per step for ``--devices`` workers on a ring, for scale.
+compressor's compute (:func:`experiments.compute.time_update`). The rows are
+every method of :data:`jaxcomp.registry.METHODS` with its defaults (``--rank``
+and ``--density`` replace its own) and the :data:`VARIANTS`. Gradient shapes
+are generated (``experiments.shapes``): ResNet-50 and a 12-layer, width-768
+transformer. Each row is the median of ``--repeats`` timed steps after a
+warm-up step (the compile), the state fed back from step to step (ACP-SGD
+alternates its two halves); the ratio is to dense ``allreduce`` timed in the
+same run. The last column is the formula's bytes per device per step for
+``--devices`` workers on a ring, for scale.
 
   python -m experiments.bench_compression --model resnet50 --repeats 3
 """
@@ -15,55 +18,45 @@ per device per step for ``--devices`` workers on a ring, for scale.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
+import optax
 
+from experiments import compute
 from experiments import shapes
-import jaxcomp
-from jaxcomp import training
+from jaxcomp import registry
 from jaxcomp import wire
 
 MODELS = {"resnet50": shapes.resnet50, "transformer": shapes.transformer}
-AXIS = "data"
 
 
-def compressors(rank: int, density: float) -> dict[str, Callable[[], object]]:
-  """Name -> factory of every jaxcomp compressor, as this benchmark configures it."""
-  return {
-      "allreduce": lambda: jaxcomp.allreduce(AXIS),
-      "cast(bf16)": lambda: jaxcomp.cast(jnp.bfloat16, AXIS),
-      "signsgd": lambda: jaxcomp.signsgd(AXIS),
-      "signsgd(majority)": lambda: jaxcomp.signsgd(AXIS, majority_vote=True),
-      f"powersgd(r={rank})": lambda: jaxcomp.powersgd(rank, AXIS),
-      f"acpsgd(r={rank})": lambda: jaxcomp.acpsgd(rank, AXIS),
-      f"topk(d={density:g})": lambda: jaxcomp.topk(density, AXIS),
-      f"gtopk(d={density:g})": lambda: jaxcomp.gtopk(density, AXIS),
-      f"randomk(d={density:g})": lambda: jaxcomp.randomk(density, AXIS),
-      f"dgc(d={density:g})": lambda: jaxcomp.dgc(density, AXIS),
-  }
+# Extra rows beside each method's registry defaults: name -> configurations.
+VARIANTS = {"signsgd": ({"majority_vote": True},)}
 
 
-def time_update(tx, grads, repeats: int) -> tuple[float, float]:
-  """``(compile seconds, median seconds per step)`` of ``tx.update`` on one device."""
-  mesh = training.make_mesh(1)
-  step = training.make_update(tx, mesh, AXIS, donate=True)
-  state = training.init_state(tx, grads, mesh, AXIS)
-  grads = training.stack_per_device(grads, mesh, AXIS)
-  start = time.perf_counter()
-  out, state = step(grads, state)
-  jax.block_until_ready((out, state))
-  compile_s = time.perf_counter() - start
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out, state = step(grads, state)
-    jax.block_until_ready((out, state))
-    times.append(time.perf_counter() - start)
-  return compile_s, statistics.median(times)
+def _label(name: str, config: dict) -> str:
+  settings = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in config.items())
+  return f"{name}({settings})" if settings else name
+
+
+def compressors(rank: int, density: float) -> dict[str, Callable[[], optax.GradientTransformation]]:
+  """Label -> factory of every registered method, and of its :data:`VARIANTS`.
+
+  Each method runs with its :data:`jaxcomp.registry.METHODS` defaults, its
+  ``rank`` or ``density`` (where it has one) replaced by these.
+  """
+  overrides = {"rank": rank, "density": density}
+  table = {}
+  for method in registry.METHODS.values():
+    config = {k: overrides.get(k, v) for k, v in method.defaults.items()}
+    for variant in ({}, *VARIANTS.get(method.name, ())):
+      settings = {**config, **variant}
+      table[_label(method.name, settings)] = functools.partial(
+          registry.build, method.name, compute.AXIS, **settings)
+  return table
 
 
 def main(argv=None) -> None:
@@ -93,15 +86,15 @@ def main(argv=None) -> None:
     grads = shapes.normal(MODELS[model](), jax.random.key(0))
     n = shapes.num_params(grads)
     print(f"\n{model}: {n:,} gradient elements")
-    print(f"{'compressor':<22}{'ms/step':>10}{'x dense':>9}{'compile s':>11}"
+    print(f"{'compressor':<28}{'ms/step':>10}{'x dense':>9}{'compile s':>11}"
           f"{f'MB/dev P={args.devices}':>15}")
     baseline = None
     for name in names:
       tx = table[name]()
-      compile_s, step_s = time_update(tx, grads, args.repeats)
+      compile_s, step_s = compute.time_update(tx, grads, args.repeats)
       baseline = step_s if name == "allreduce" else baseline
       mbytes = float(wire.expected_bytes(tx, grads, args.devices).total) / 1e6
-      print(f"{name:<22}{step_s * 1e3:>10.1f}{step_s / baseline:>9.2f}"
+      print(f"{name:<28}{step_s * 1e3:>10.1f}{step_s / baseline:>9.2f}"
             f"{compile_s:>11.1f}{mbytes:>15.3f}", flush=True)
 
 

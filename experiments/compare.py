@@ -1,6 +1,6 @@
 """Trains one model with every compressor and says what each costs.
 
-  python -m experiments.compare            # --quick on digits: all nine methods
+  python -m experiments.compare            # --quick on digits: every registered method
   python -m experiments.compare --task text --methods allreduce,gtopk
   python -m experiments.compare --mesh 2x4 # the same on a 2D mesh (torus all-reduce)
 
@@ -10,10 +10,12 @@ batches, data-parallel over fake CPU devices through :mod:`jaxcomp.training`
 with the same learning-rate schedule. Written to ``--out``:
 
 * ``compare.json``: the configuration and, per method, the final test
-  accuracy and loss, ``bytes_per_step`` (what one device sends per step, read
-  from the compiled training step by :func:`jaxcomp.wire.collective_bytes`),
-  ``compression_ratio`` (``4 n`` over the bytes of one device's compressed
-  message), the measured ``step_time_s`` and the cost model's
+  accuracy and loss, ``bytes_per_step`` (what one device sends per step once
+  any schedule is over, read from the compiled training step by
+  :func:`jaxcomp.wire.collective_bytes`) and ``bytes_per_step_run_average``
+  (the average over the run's steps: they differ for DGC, whose warm-up sends
+  more), ``compression_ratio`` (``4 n`` over the bytes of one device's
+  compressed message), the measured ``step_time_s`` and the cost model's
   ``predicted_step_s``, and the evaluation history;
 * ``compare.md``: the same as a table, with each method's ratio to dense;
 * ``accuracy_vs_step.png`` (``loss_vs_step.png`` for text) and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from fractions import Fraction
 import json
 import math
 import os
@@ -39,32 +42,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments import compute
 from experiments import data
 from experiments import models
 from jaxcomp import costmodel
+from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
 
-ALL_METHODS = tuple(costmodel.METHODS)
+ALL_METHODS = registry.names()
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 # Per task: the model, the batch, the steps, the schedule, and per method the
-# compressor's configuration and the optimizer after it. The digits settings
-# were chosen on the validation split (`--evaluate-on validation`), never on
-# the test split: with plain SGD after them top-k and gTop-k at density 0.01
-# reached 96.2% and 95.1% against dense's 97.6%, random-k at 0.01 94.8%; with
-# momentum 0.9, top-k 97.6%, gTop-k 96.9%; random-k at 0.05 with momentum
-# 0.5 97.6%; signSGD 95.5% with plain SGD, 9.7% (diverged) with momentum 0.9
-# and 96.5% with 0.5. The text settings copy them, untuned.
+# compressor's configuration, the optimizer after it and, for DGC, the share
+# of the steps its density warm-up takes (`warmup_fraction`, turned into
+# `warmup_steps` for the run's step count: the DGC paper warms up over the
+# first 4 of 90 epochs). The digits settings were chosen on the validation
+# split (`--evaluate-on validation`), never on the test split: with plain SGD
+# after them top-k and gTop-k at density 0.01 reached 96.2% and 95.1% against
+# dense's 97.6%, random-k at 0.01 94.8%; with momentum 0.9, top-k 97.6%,
+# gTop-k 96.9%; random-k at 0.05 with momentum 0.5 97.6%; signSGD 95.5% with
+# plain SGD, 9.7% (diverged) with momentum 0.9 and 96.5% with 0.5. Against
+# dense's 97.6% on the same split: DGC at density 0.001 with its warm-up over
+# the first 5% of the steps 96.9%, QSGD at 8 levels with momentum 0.9 97.2%.
+# The text settings copy them, untuned.
 _DIGITS_METHODS = {
     "allreduce": {"compressor": {}, "momentum": 0.9},
     "cast": {"compressor": {"dtype": "bfloat16"}, "momentum": 0.9},
     "topk": {"compressor": {"density": 0.01}, "momentum": 0.9},
     "gtopk": {"compressor": {"density": 0.01}, "momentum": 0.9},
     "randomk": {"compressor": {"density": 0.05}, "momentum": 0.5},
-    "dgc": {"compressor": {"density": 0.001, "momentum": 0.9, "warmup_steps": 0,
-                        "sparse_leaves": "all"}, "momentum": 0.0},
+    "dgc": {"compressor": {"density": 0.001, "momentum": 0.9, "sparse_leaves": "all"},
+            "momentum": 0.0, "warmup_fraction": 0.05},
     "signsgd": {"compressor": {}, "momentum": 0.5},
+    "qsgd": {"compressor": {"levels": 8}, "momentum": 0.9},
     "powersgd": {"compressor": {"rank": 2}, "momentum": 0.9},
     "acpsgd": {"compressor": {"rank": 2}, "momentum": 0.9},
 }
@@ -89,8 +100,8 @@ TASKS: dict[str, dict[str, Any]] = {
         "methods": {
             **_DIGITS_METHODS,
             # The paper's rule: only tensors of rank > 1 sparse.
-            "dgc": {"compressor": {"density": 0.001, "momentum": 0.9, "warmup_steps": 0},
-                    "momentum": 0.0},
+            "dgc": {"compressor": {"density": 0.001, "momentum": 0.9}, "momentum": 0.0,
+                    "warmup_fraction": 0.05},
             "powersgd": {"compressor": {"rank": 4}, "momentum": 0.9},
             "acpsgd": {"compressor": {"rank": 4}, "momentum": 0.9},
         },
@@ -140,19 +151,26 @@ def _schedule(task: dict, steps: int) -> optax.Schedule:
   )
 
 
-def _chain(name: str, axis_name, method: dict, schedule) -> tuple[Any, optax.GradientTransformation]:
-  compressor = costmodel.build(name, axis_name, **method["compressor"])
-  momentum = method["momentum"] or None
-  return compressor, optax.chain(compressor, optax.sgd(schedule, momentum=momentum))
+def _compressor_config(method: dict, steps: int) -> dict:
+  """The compressor's arguments in a run of ``steps`` steps (``warmup_fraction`` as steps)."""
+  config = dict(method["compressor"])
+  if "warmup_fraction" in method:
+    config["warmup_steps"] = max(1, int(method["warmup_fraction"] * steps))
+  return config
 
 
-def _describe(name: str, method: dict) -> dict:
+def _chain(name: str, axis_name, compressor_config: dict, momentum: float,
+           schedule) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
+  """``(compressor, chain)``: the compressor, then SGD with ``momentum`` (0: none)."""
+  compressor = registry.build(name, axis_name, **compressor_config)
+  return compressor, optax.chain(compressor, optax.sgd(schedule, momentum=momentum or None))
+
+
+def _describe(name: str, compressor_config: dict, momentum: float) -> dict:
   """The full configuration of a method, with the defaults it did not override."""
   return {
-      "compressor": {**costmodel.METHODS[name].defaults, **method["compressor"]},
-      "optimizer": (
-          f"sgd(momentum={method['momentum']})" if method["momentum"] else "sgd (no momentum)"
-      ),
+      "compressor": registry.configuration(name, **compressor_config),
+      "optimizer": f"sgd(momentum={momentum})" if momentum else "sgd (no momentum)",
   }
 
 
@@ -163,10 +181,29 @@ def message_bytes(name: str, compressor_config: dict, params) -> float:
   the one other device: an all-reduce of a buffer of ``s`` bytes sends ``s``,
   an all-gather sends the device's own part, one butterfly round sends its
   ``k`` values and indices, and ACP-SGD's alternation averages its P and Q
-  messages. Leaves a method sends dense count in full.
+  messages. Leaves a method sends dense count in full; a schedule counts
+  once it is over (DGC after its warm-up).
   """
-  tx = costmodel.build(name, "data", **compressor_config)
+  tx = registry.build(name, "data", **compressor_config)
   return float(wire.expected_bytes(tx, params, 2).total)
+
+
+def program_bytes(measured: wire.WireBytes, formula: wire.WireCost) -> dict[str, Fraction]:
+  """Bytes per step of a compiled program by kind, its switch branches weighted as ``formula``'s.
+
+  :func:`jaxcomp.wire.collective_bytes` weights each of a switch's ``B``
+  branches ``1 / B``; a schedule spends other shares of the steps in them
+  (DGC: none in its warm-up stages once the warm-up is over), which the
+  formula's transfers carry. Collectives outside any branch keep their
+  weight.
+  """
+  shares = {t.branch: t.weight for t in formula if t.branch is not None}
+  by_kind: dict[str, Fraction] = {}
+  for op in measured.ops:
+    sent = op.bytes * (op.weight if op.branch is None else shares[op.branch])
+    if sent:
+      by_kind[op.kind] = by_kind.get(op.kind, Fraction(0)) + sent
+  return by_kind
 
 
 def _task_data(task_name: str, evaluate_on: str):
@@ -194,30 +231,6 @@ def _eval_arrays(task_name: str, task: dict, dataset):
   return jnp.asarray(x), jnp.asarray(y)
 
 
-def _measure_compute_s(name, method, model, schedule, local_batch, repeats: int = 10) -> float:
-  """Median seconds of the method's whole step (forward, backward, compression) on one device.
-
-  The same step on a mesh of one device: its collectives run over a group of
-  one, so what is timed is the computation a real worker would do between
-  exchanges, without the 2 cores being shared by the fake devices.
-  """
-  mesh = training.make_mesh(1)
-  _, tx = _chain(name, "data", method, schedule)
-  params = training.replicate(model.params, mesh)
-  state = training.init_state(tx, params, mesh, "data")
-  batch = training.shard(local_batch, mesh, "data")
-  step = training.make_step(model.loss, tx, mesh, "data")
-  params, state, metrics = step(params, state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    params, state, metrics = step(params, state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 # ------------------------------------------------------------------ training
 
 
@@ -225,7 +238,8 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
                  mesh, schedule, eval_x, eval_y) -> dict:
   """Trains ``model`` with one compressor; returns its row of ``compare.json``."""
   method = task["methods"][name]
-  compressor, tx = _chain(name, config.axis_name, method, schedule)
+  compressor_config = _compressor_config(method, config.steps)
+  compressor, tx = _chain(name, config.axis_name, compressor_config, method["momentum"], schedule)
   global_batch = task["batch_per_device"] * config.devices
   batches = _batches(config.task, task, dataset, global_batch, config.seed)
   params = training.replicate(model.params, mesh)
@@ -236,7 +250,10 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
   first = training.shard(host_batch, mesh, config.axis_name)
   compiled = step.lower(params, opt_state, first).compile()
   measured = wire.collective_bytes(compiled)
-  expected = wire.expected_bytes(compressor, model.params, config.num_devices)
+  steady = wire.transfers(compressor, model.params, config.num_devices)
+  sent = program_bytes(measured, steady)
+  sent_over_run = program_bytes(
+      measured, wire.transfers(compressor, model.params, config.num_devices, steps=config.steps))
   evaluate = jax.jit(model.evaluate)
 
   history = []
@@ -263,13 +280,11 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
       batch = training.shard(next(batches), mesh, config.axis_name)
   progress.close()
 
-  compute_s = _measure_compute_s(name, method, model, schedule, local_batch)
+  _, one_device_tx = _chain(name, "data", compressor_config, method["momentum"], schedule)
+  compute_s = compute.measure_step(model.loss, one_device_tx, model.params, local_batch)
   n = models.num_params(model.params)
-  message = message_bytes(name, method["compressor"], model.params)
-  exchange = costmodel.exchange_time(
-      compressor.wire_bytes(model.params, config.num_devices),
-      config.bandwidth_gbit, config.latency_us,
-  )
+  message = message_bytes(name, compressor_config, model.params)
+  exchange = costmodel.exchange_time(steady, config.bandwidth_gbit, config.latency_us)
   predicted = costmodel.predict(
       compressor, model.params, config.num_devices, config.bandwidth_gbit,
       config.latency_us, compute_s=compute_s,
@@ -279,9 +294,13 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
       "final_accuracy": final["eval_accuracy"],
       "final_loss": final["eval_loss"],
       "bits_per_char": final["eval_loss"] / math.log(2) if config.task == "text" else None,
-      "bytes_per_step": float(measured.total),
-      "bytes_per_step_formula": float(expected.total),
-      "bytes_by_kind": {k: float(v) for k, v in measured.by_kind.items()},
+      "bytes_per_step": float(sum(sent.values())),
+      "bytes_per_step_formula": float(wire.expected_bytes(
+          compressor, model.params, config.num_devices).total),
+      "bytes_per_step_run_average": float(sum(sent_over_run.values())),
+      "bytes_per_step_run_average_formula": float(wire.expected_bytes(
+          compressor, model.params, config.num_devices, steps=config.steps).total),
+      "bytes_by_kind": {k: float(v) for k, v in sent.items()},
       "message_bytes": message,
       "compression_ratio": 4 * n / message,
       # The second half: the first steps of a process run slower (thread pools
@@ -291,7 +310,7 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
       "exchange_s": exchange,
       "predicted_step_s": predicted,
       "skipped_steps": skipped,
-      "configuration": _describe(name, method),
+      "configuration": _describe(name, compressor_config, method["momentum"]),
       "history": history,
   }
 
@@ -336,15 +355,10 @@ def run(config: Config) -> dict:
   else:
     mesh = training.make_mesh(config.mesh, config.axis_name)
   eval_x, eval_y = _eval_arrays(config.task, task, dataset)
-  results, missing = {}, {}
-  for name in config.methods:
-    try:
-      results[name] = train_method(
-          name, config, task, model, dataset, mesh, schedule, eval_x, eval_y
-      )
-    except ImportError as e:
-      missing[name] = f"{type(e).__name__}: {e}"
-      print(f"{name}: not available ({e})", file=sys.stderr)
+  results = {
+      name: train_method(name, config, task, model, dataset, mesh, schedule, eval_x, eval_y)
+      for name in config.methods
+  }
   report = {
       "config": {
           "task": config.task,
@@ -367,7 +381,6 @@ def run(config: Config) -> dict:
           "bandwidth_gbit": config.bandwidth_gbit,
           "latency_us": config.latency_us,
           "seed": config.seed,
-          "missing_methods": missing,
           "wall_time_s": time.perf_counter() - started,
           "process_cpu_s": time.process_time() - cpu_started,
           "cpu_count": os.cpu_count(),
@@ -428,6 +441,43 @@ def _ratio(value: float, dense: Optional[float]) -> str:
   return f"{value / dense:.3g}x" if dense else "-"
 
 
+def _bytes_cell(row: dict) -> str:
+  steady, average = row["bytes_per_step"], row["bytes_per_step_run_average"]
+  return f"{steady:,.0f}" + (f" ({average:,.0f} over the run)" if average != steady else "")
+
+
+def _dgc_note(row: dict, config: dict, dense: Optional[dict]) -> str:
+  """What DGC's configuration does, and what its schedule sends."""
+  compressor = row["configuration"]["compressor"]
+  leaves = (
+      "every leaf in the sparse bucket (`sparse_leaves=\"all\"`)"
+      if compressor.get("sparse_leaves") == "all"
+      else "the paper's rule for the sparse bucket (tensors of rank > 1; biases and"
+      " norms are averaged dense)"
+  )
+  note = (
+      "- **dgc** runs with momentum correction and momentum-factor masking inside (so"
+      f" plain SGD after it) and {leaves}."
+  )
+  warmup = compressor["warmup_steps"]
+  if warmup:
+    average = row["bytes_per_step_run_average"]
+    note += (
+        f" Its density warm-up is the paper's (there the first 4 of 90 epochs): over the"
+        f" first {warmup} of {config['steps']} steps the density follows 25%, 6.25%,"
+        f" 1.5625% and 0.4%, step t in stage floor(4 t / {warmup}), then stays at"
+        f" {compressor['density']:g}. Each stage is one branch of a `lax.switch` on the"
+        f" step count with its own static k, so each sends its own payload: after the"
+        f" warm-up {row['bytes_per_step']:,.0f} bytes per step, over the whole run"
+        f" {average:,.0f} on average"
+        + (f" ({dense['bytes_per_step'] / average:.0f}x less than dense)" if dense else "")
+        + "."
+    )
+  else:
+    note += " It runs without a density warm-up (`warmup_steps=0`)."
+  return note + " Its learning-rate warm-up is every method's."
+
+
 def markdown(report: dict) -> str:
   """``compare.md``: the results as a table, with each method's ratio to dense."""
   config, methods = report["config"], report["methods"]
@@ -464,7 +514,7 @@ def markdown(report: dict) -> str:
       delta = f"{100 * (row['final_accuracy'] - dense['final_accuracy']):+.1f} pt" if dense else "-"
     lines.append(
         f"| {name} | {_format_config(row['configuration'])} | {value} | {delta}"
-        f" | {row['final_loss']:.4f} | {row['bytes_per_step']:,.0f}"
+        f" | {row['final_loss']:.4f} | {_bytes_cell(row)}"
         f" | {_ratio(row['bytes_per_step'], dense and dense['bytes_per_step'])}"
         f" | {row['compression_ratio']:.1f}"
         f" | {row['step_time_s']:.4f} | {_ratio(row['step_time_s'], dense and dense['step_time_s'])}"
@@ -475,35 +525,33 @@ def markdown(report: dict) -> str:
       "",
       "How to read it:",
       "",
-      "- **bytes/step**: what one device sends per step, read from the compiled training"
-      " step's HLO by `jaxcomp.wire.collective_bytes` (ring formulas: all-reduce"
-      " 2(P-1)/P of the buffer, all-gather (P-1)/P of the gathered buffer, a permute"
-      " its operand). It equals each method's wire formula"
-      " (`bytes_per_step_formula` in compare.json).",
+      "- **bytes/step**: what one device sends per step once any schedule is over (DGC"
+      " after its warm-up), read from the compiled training step's HLO by"
+      " `jaxcomp.wire.collective_bytes` (ring formulas: all-reduce 2(P-1)/P of the"
+      " buffer, all-gather (P-1)/P of the gathered buffer, a permute its operand), the"
+      " branches of a schedule's `lax.switch` weighted by the share of the steps spent"
+      " in each. A second figure in brackets is the average over the whole run"
+      " (`bytes_per_step_run_average`), where a schedule makes it differ. Both equal"
+      " the method's wire formula (`bytes_per_step_formula`,"
+      " `bytes_per_step_run_average_formula` in compare.json).",
       "- **compression ratio**: 4n (the dense f32 gradient, n parameters) divided by the"
       " bytes of one device's compressed message per step: for the sparse methods its"
       " values and int32 indices (8 bytes per kept element; random-k sends values only,"
       " its indices come from a shared seed), plus every leaf the method sends dense;"
       " for the low-rank methods the factors (ACP-SGD: the mean of its P and Q steps);"
-      " for signSGD the packed bits. It is computed from the method's configuration by"
+      " for signSGD the packed bits; for QSGD one int8 level per element and one f32"
+      " norm per bucket. It is computed from the method's configuration by"
       " its own wire formula at P = 2, where a device sends exactly its message once.",
       "- **step time**: the median wall time of one step over the second half of the"
       " run, 8 fake devices sharing the CPU cores, so collectives cost memory copies, not"
       " a network; it measures compression compute here, not communication.",
-      "- **dgc** runs with momentum correction and momentum-factor masking inside"
-      " (`momentum=0.9`, so plain SGD after it), every leaf in the sparse bucket"
-      " (`sparse_leaves=\"all\"`) and no density warm-up (`warmup_steps=0`): jaxcomp's"
-      " DGC keeps one static payload, the warm-up's largest capacity (25%), for the whole"
-      " run, so a density warm-up would send a quarter of the gradient on every step."
-      " Its learning-rate warm-up is every method's.",
+      *([_dgc_note(methods["dgc"], config, dense)] if "dgc" in methods else []),
       f"- **predicted step**: `jaxcomp.costmodel`: the method's step measured on one"
-      f" device (forward, backward and compression) plus the alpha-beta time of its"
-      f" collectives for P = {config['devices']} at {config['bandwidth_gbit']:g} Gbit/s"
-      f" and {config['latency_us']:g} us per message.",
+      f" device by `experiments.compute.measure_step` (forward, backward and"
+      f" compression) plus the alpha-beta time of its collectives after any schedule"
+      f" for P = {config['devices']} at {config['bandwidth_gbit']:g} Gbit/s and"
+      f" {config['latency_us']:g} us per message.",
   ]
-  if config["missing_methods"]:
-    lines += ["", "Not run (module not available): " + ", ".join(
-        f"`{name}` ({why})" for name, why in config["missing_methods"].items())]
   if report["goals"]:
     lines += ["", "## Goals", "", "| goal | value | met |", "|---|---|---|"]
     for goal in report["goals"]:
@@ -542,11 +590,11 @@ def plot(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, row in methods.items():
     value = row["final_loss"] if text else row["final_accuracy"]
-    ax.scatter(row["bytes_per_step"], value)
-    ax.annotate(name, (row["bytes_per_step"], value), textcoords="offset points",
+    ax.scatter(row["bytes_per_step_run_average"], value)
+    ax.annotate(name, (row["bytes_per_step_run_average"], value), textcoords="offset points",
                 xytext=(4, 4), fontsize=8)
   ax.set_xscale("log")
-  ax.set_xlabel("bytes sent per device per step (log scale)")
+  ax.set_xlabel("bytes sent per device per step, averaged over the run (log scale)")
   ax.set_ylabel("final " + label)
   ax.grid(alpha=0.3, which="both")
   ax.set_title(f"{report['config']['task']}: final {label} against bytes per step")

@@ -21,8 +21,8 @@ with:
 
 The per-step computation is *given*, not measured (``--compute-s``: forward
 and backward of one worker, a GPU figure), and the compression computation
-is :data:`jaxcomp.costmodel.GIVEN_NS_PER_ELEMENT` (measured on 2 CPU cores,
-so pessimistic for a GPU).
+is :data:`experiments.compute.NS_PER_ELEMENT` (measured on 2 CPU cores, so
+pessimistic for a GPU).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import argparse
 import json
 import pathlib
 
+from experiments import compute
 from experiments import shapes
 from jaxcomp import costmodel
+from jaxcomp import registry
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 WORKERS = tuple(2 ** e for e in range(2, 13))  # 4 .. 4096
@@ -45,23 +47,21 @@ def _mesh(p: int) -> tuple[int, int]:
   return rows, p // rows
 
 
-def _seconds(name: str, params, p, bandwidth, latency, config=None, compute=0.0,
+def _seconds(name: str, params, p, bandwidth, latency, config=None, compute_s=0.0,
              with_compression=True) -> dict:
-  axis = "data" if isinstance(p, int) else ("x", "y")
-  tx = costmodel.build(name, axis, **(config or {}))
-  cost = tx.wire_bytes(params, p)
+  cost = registry.wire_cost(name, params, p, **(config or {}))
   n = shapes.num_params(params)
-  compression = costmodel.given_compute_s(name, n) if with_compression else 0.0
+  compression = compute.compression_s(name, n) if with_compression else 0.0
   exchange = costmodel.exchange_time(cost, bandwidth, latency)
   latency_part = exchange - costmodel.exchange_time(cost, bandwidth, 0.0)
-  step = compute + compression + exchange
+  step = compute_s + compression + exchange
   return {
       "bytes": float(sum(t.bytes * t.weight for t in cost)),
       "exchange_s": exchange,
       "latency_s": latency_part,
       "compression_s": compression,
       "step_s": step,
-      "efficiency": compute / step if compute else None,
+      "efficiency": compute_s / step if compute_s else None,
   }
 
 
@@ -70,13 +70,13 @@ def sparse_table(args) -> dict:
   out = {}
   for model in ("resnet50", "transformer"):
     params = MODELS[model]()
-    compute = args.compute_s[model]
+    compute_s = args.compute_s[model]
     rows = {}
     for p in WORKERS:
       rows[p] = {
           name: _seconds(name, params, p, args.ethernet_gbit, args.ethernet_latency_us,
                          {"density": args.density} if name != "allreduce" else None,
-                         compute)
+                         compute_s)
           for name in ("allreduce", "topk", "gtopk")
       }
     out[model] = rows
@@ -88,13 +88,13 @@ def lowrank_table(args) -> dict:
   out = {}
   for model in ("resnet50", "transformer"):
     params = MODELS[model]()
-    compute = args.compute_s[model]
+    compute_s = args.compute_s[model]
     rows = {}
     for bandwidth in (1.0, 10.0, 100.0):
       latency = args.ethernet_latency_us if bandwidth < 100 else args.fast_latency_us
       rows[bandwidth] = {
           name: _seconds(name, params, args.lowrank_workers, bandwidth, latency,
-                         {"rank": args.rank} if name != "allreduce" else None, compute)
+                         {"rank": args.rank} if name != "allreduce" else None, compute_s)
           for name in ("allreduce", "powersgd", "acpsgd")
       }
     out[model] = rows
@@ -126,9 +126,10 @@ def markdown(args, sparse, lowrank, torus) -> str:
       " here is measured on a network. A step is compute + compression + exchange, with"
       " no overlap. Compute per step is given (a GPU's forward and backward:"
       + ", ".join(f" {m} {s:g} s" for m, s in args.compute_s.items())
-      + "); compression per element is `costmodel.GIVEN_NS_PER_ELEMENT` (measured on 2"
-      " CPU cores, ns: "
-      + ", ".join(f"{m} {ns:g}" for m, ns in costmodel.GIVEN_NS_PER_ELEMENT.items())
+      + "); compression per element is `experiments.compute.NS_PER_ELEMENT`, measured"
+      f" with `experiments.bench_compression` on {compute.DEVICE} (ns: "
+      + ", ".join(f"{m} {figure.ns_per_element:g}"
+                  for m, figure in compute.NS_PER_ELEMENT.items())
       + "). Scaling efficiency = compute / step.",
       "",
       f"## 1. gTop-k vs Top-k vs dense S-SGD ({args.ethernet_gbit:g} Gbit/s,"
@@ -197,9 +198,9 @@ def markdown(args, sparse, lowrank, torus) -> str:
       " dense every step by both). PowerSGD's predicted step over ACP-SGD's is"
       f" {min(speedups):.2f} to {max(speedups):.2f} (seed: 1.43x on average). The"
       " traffic halves, and the compression compute, measured on CPU, is"
-      f" {costmodel.GIVEN_NS_PER_ELEMENT['acpsgd']:g} ns per element for ACP-SGD against"
-      f" {costmodel.GIVEN_NS_PER_ELEMENT['powersgd']:g} for PowerSGD: where the exchange is"
-      " short, that difference decides, not the bytes.",
+      f" {compute.NS_PER_ELEMENT['acpsgd'].ns_per_element:g} ns per element for ACP-SGD"
+      f" against {compute.NS_PER_ELEMENT['powersgd'].ns_per_element:g} for PowerSGD: where"
+      " the exchange is short, that difference decides, not the bytes.",
       "",
       f"## 3. 2D torus vs flat ring (ResNet-50 fp16 dense all-reduce, {args.fast_gbit:g}"
       f" Gbit/s, {args.fast_latency_us:g} us per message, compute {args.torus_compute_s:g} s)",

@@ -1,4 +1,4 @@
-"""`python -m experiments.compare` on a tiny setting, and the committed quick run's goals."""
+"""`python -m experiments.compare` on tiny settings: bytes, schedules, goals, outputs."""
 
 import json
 import math
@@ -13,7 +13,8 @@ from experiments import compare
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {
     "final_accuracy", "final_loss", "bytes_per_step", "bytes_per_step_formula",
-    "compression_ratio", "message_bytes", "step_time_s", "compute_s", "exchange_s",
+    "bytes_per_step_run_average", "bytes_per_step_run_average_formula", "compression_ratio",
+    "message_bytes", "step_time_s", "compute_s", "exchange_s",
     "predicted_step_s", "skipped_steps", "configuration", "history",
 }
 
@@ -37,12 +38,13 @@ def test_writes_json_table_and_plots(cli_run):
   report = json.loads((out / "compare.json").read_text())
   config = report["config"]
   assert config["task"] == "digits" and config["steps"] == 20 and config["devices"] == 8
-  assert config["evaluated_on"] == "test" and config["missing_methods"] == {}
+  assert config["evaluated_on"] == "test"
   assert list(report["methods"]) == ["allreduce", "cast"]
   for row in report["methods"].values():
     assert ROW_KEYS <= set(row)
     assert 0.0 <= row["final_accuracy"] <= 1.0
     assert row["bytes_per_step"] == row["bytes_per_step_formula"] > 0
+    assert row["bytes_per_step_run_average"] == row["bytes_per_step"]
     assert row["predicted_step_s"] == pytest.approx(row["compute_s"] + row["exchange_s"])
     assert [h["step"] for h in row["history"]] == [10, 20]
     assert row["final_accuracy"] == row["history"][-1]["eval_accuracy"]
@@ -120,13 +122,26 @@ def test_goals_are_checked():
   assert len(failed) == 5
 
 
-def test_committed_quick_run_meets_the_goals():
-  report = json.loads((ROOT / "experiments" / "results" / "compare.json").read_text())
-  assert report["config"]["task"] == "digits" and report["config"]["mode"] == "quick"
-  assert report["config"]["evaluated_on"] == "test"
-  assert set(report["methods"]) == set(compare.ALL_METHODS)
-  goals = report["goals"]
-  assert goals == compare.check_goals(report)
-  assert all(g["met"] for g in goals), [g for g in goals if not g["met"]]
-  for row in report["methods"].values():
-    assert row["bytes_per_step"] == row["bytes_per_step_formula"]
+def test_dgc_warms_up_and_states_both_byte_figures(tmp_path):
+  config = compare.config_from_args(
+      ["--methods", "dgc", "--steps", "40", "--eval-every", "20", "--out", str(tmp_path),
+       "--no-progress"])
+  report = compare.run(config)
+  row = report["methods"]["dgc"]
+  compressor = row["configuration"]["compressor"]
+  assert compressor["warmup_steps"] == 2  # 5% of 40 steps
+  # Every leaf sparse, n = 71,754, P = 8: an all-gather of k f32 values and
+  # one of k int32 indices, 7 * 8k bytes. Step 0 is in the 25% stage, step 1
+  # in the 1.5625% one, the other 38 at density 0.001.
+  n = report["config"]["num_params"]
+  ks = [math.ceil(d * n) for d in (0.25, 0.015625)] + [math.ceil(0.001 * n)] * 38
+  assert row["bytes_per_step"] == row["bytes_per_step_formula"] == 56 * ks[-1]
+  assert row["bytes_per_step_run_average"] == row["bytes_per_step_run_average_formula"]
+  assert row["bytes_per_step_run_average"] == pytest.approx(56 * sum(ks) / 40, rel=1e-12)
+  assert row["bytes_by_kind"] == {"all-gather": row["bytes_per_step"]}
+  assert row["compression_ratio"] == pytest.approx(4 * n / (8 * ks[-1]))
+  table = (tmp_path / "compare.md").read_text()
+  steady, average = row["bytes_per_step"], row["bytes_per_step_run_average"]
+  assert f"| {steady:,.0f} ({average:,.0f} over the run) |" in table
+  assert "over the first 2 of 40 steps" in table
+  assert "without its warm-up" not in table and "warmup_steps=0" not in table

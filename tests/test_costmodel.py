@@ -6,34 +6,39 @@ import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+from experiments import compute
 from experiments import shapes
-from jaxcomp import base
+import jaxcomp
 from jaxcomp import costmodel
+from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
 
+# 2,080 floats: a (64, 32) kernel and its bias.
 SMALL = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32),
          "b": jax.ShapeDtypeStruct((32,), jnp.float32)}
-ALL = tuple(costmodel.METHODS)
+ALL = registry.names()
 
 
 def _byte_seconds(nbytes, bandwidth_gbit):
   return float(nbytes) * 8 / (bandwidth_gbit * 1e9)
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("num_devices", [8, 32, (2, 4), (4, 8)], ids=str)
-def test_byte_term_is_the_wire_formula(name, num_devices):
-  axis = "data" if isinstance(num_devices, int) else ("x", "y")
-  tx = costmodel.build(name, axis)
-  cost = tx.wire_bytes(SMALL, num_devices)
-  expected = wire.expected_bytes(tx, SMALL, num_devices).total
-  assert expected > 0
-  assert costmodel.exchange_time(cost, 2.5, 0.0) == pytest.approx(
-      _byte_seconds(expected, 2.5), rel=1e-12
+def test_exchange_time_is_the_alpha_beta_sum():
+  cost = (
+      wire.Transfer("all-reduce", 4, Fraction(6000)),
+      wire.Transfer("all-gather", 8, Fraction(7000), Fraction(1, 2)),
+      wire.Transfer("collective-permute", 1, Fraction(800)),
   )
+  # 2 Gbit/s is 250e6 bytes/s; 10 us per message. All-reduce: 6 ring steps
+  # and 6000 bytes; all-gather on half the steps: 7 steps and 7000 bytes;
+  # permute: 1 step and 800 bytes.
+  expected = (6 * 10e-6 + 6000 / 250e6) + (7 * 10e-6 + 7000 / 250e6) / 2 + (10e-6 + 800 / 250e6)
+  assert expected == pytest.approx(146.2e-6)
+  assert costmodel.exchange_time(cost, 2.0, 10.0) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["allreduce", "cast"])
@@ -41,7 +46,7 @@ def test_byte_term_is_the_wire_formula(name, num_devices):
 def test_byte_term_is_what_the_compiled_program_sends(name, shape):
   axis = "data" if isinstance(shape, int) else ("x", "y")
   mesh = training.make_mesh(shape, (axis,) if isinstance(axis, str) else axis)
-  tx = costmodel.build(name, axis)
+  tx = registry.build(name, axis)
   params = {"w": jnp.ones((64, 32)), "b": jnp.ones((32,))}
   state = training.init_state(tx, params, mesh, axis)
   spec = training._spec(axis)
@@ -52,7 +57,7 @@ def test_byte_term_is_what_the_compiled_program_sends(name, shape):
   ))
   compiled = update.lower(params, state).compile()
   measured = wire.collective_bytes(compiled).total
-  cost = tx.wire_bytes(params, shape)
+  cost = wire.transfers(tx, params, shape)
   assert costmodel.exchange_time(cost, 1.0, 0.0) == pytest.approx(
       _byte_seconds(measured, 1.0), rel=1e-12
   )
@@ -65,13 +70,13 @@ def test_byte_term_is_what_the_compiled_program_sends(name, shape):
 )
 def test_ring_steps(kind, group, expected):
   assert costmodel.steps(kind, group) == expected
-  cost = (base.Transfer(kind, group, Fraction(0)),)
+  cost = (wire.Transfer(kind, group, Fraction(0)),)
   assert costmodel.exchange_time(cost, 1.0, 10.0) == pytest.approx(expected * 10e-6)
 
 
 def test_weight_scales_both_terms():
-  full = (base.Transfer("all-reduce", 4, Fraction(1000)),)
-  half = (base.Transfer("all-reduce", 4, Fraction(1000), Fraction(1, 2)),)
+  full = (wire.Transfer("all-reduce", 4, Fraction(1000)),)
+  half = (wire.Transfer("all-reduce", 4, Fraction(1000), Fraction(1, 2)),)
   assert costmodel.exchange_time(half, 1.0, 7.0) == pytest.approx(
       costmodel.exchange_time(full, 1.0, 7.0) / 2
   )
@@ -81,8 +86,8 @@ def test_weight_scales_both_terms():
     rows=st.sampled_from([2, 4, 8, 32, 64]), cols=st.sampled_from([2, 4, 8, 32, 64]),
 )
 def test_torus_latency_grows_with_rows_plus_cols(rows, cols):
-  flat = costmodel.build("allreduce", "data").wire_bytes(SMALL, rows * cols)
-  torus = costmodel.build("allreduce", ("x", "y")).wire_bytes(SMALL, (rows, cols))
+  flat = registry.wire_cost("allreduce", SMALL, rows * cols)
+  torus = registry.wire_cost("allreduce", SMALL, (rows, cols))
   latency_only = lambda cost: (
       costmodel.exchange_time(cost, 1.0, 1.0) - costmodel.exchange_time(cost, 1.0, 0.0)
   )
@@ -90,13 +95,28 @@ def test_torus_latency_grows_with_rows_plus_cols(rows, cols):
   assert latency_only(torus) == pytest.approx((2 * (rows - 1) + 2 * (cols - 1)) * 1e-6)
 
 
-def test_predict_adds_compute():
-  tx = costmodel.build("allreduce", "data")
-  exchange = costmodel.exchange_time(tx.wire_bytes(SMALL, 16), 10.0, 5.0)
-  assert costmodel.predict(tx, SMALL, 16, 10.0, 5.0) == pytest.approx(exchange)
-  assert costmodel.predict(tx, SMALL, 16, 10.0, 5.0, compute_s=0.25) == pytest.approx(
-      exchange + 0.25
-  )
+def test_predict_prices_the_compressor_inside_a_chain():
+  tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1, momentum=0.9))
+  # Ring all-reduce of 2,080 f32 over 4 devices: 2 * 3/4 * 8320 bytes at
+  # 125e6 bytes/s, and 6 messages of 5 us.
+  exchange = 12480 / 125e6 + 6 * 5e-6
+  assert costmodel.predict(tx, SMALL, 4, 1.0, 5.0) == pytest.approx(exchange, rel=1e-12)
+  assert costmodel.predict(tx, SMALL, 4, 1.0, 5.0, compute_s=0.25) == pytest.approx(
+      exchange + 0.25, rel=1e-12)
+
+
+def test_predict_averages_dgc_warmup_over_steps():
+  tx = optax.chain(jaxcomp.dgc(0.01, "data", warmup_steps=4), optax.sgd(0.1))
+  # The kernel (2,048 floats) is sparse, the bias (32) averaged dense. Each
+  # step sends two all-gathers of k f32 values and k int32 indices over 4
+  # devices, 3 * 4k bytes each, and a ring all-reduce of the bias, 2 * 3/4 *
+  # 128 bytes. k over the four warm-up stages (25%, 6.25%, 1.5625%, then
+  # 0.4% below the density 1%): 512, 128, 32, 21; after: 21.
+  steady = 24 * 21 + 192
+  over_8_steps = 24 * (512 + 128 + 32 + 21 + 4 * 21) / 8 + 192
+  assert costmodel.predict(tx, SMALL, 4, 1.0, 0.0) == pytest.approx(steady / 125e6, rel=1e-12)
+  assert costmodel.predict(tx, SMALL, 4, 1.0, 0.0, steps=8) == pytest.approx(
+      over_8_steps / 125e6, rel=1e-12)
 
 
 def test_recommend_ranks_gtopk_above_dense_on_slow_ethernet():
@@ -114,6 +134,27 @@ def test_recommend_ranks_gtopk_above_dense_on_slow_ethernet():
   assert dense.seconds == pytest.approx(2 * 31 / 32 * 4 * n * 8 / 1e9 + 62 * 50e-6)
 
 
+def test_recommend_ranks_by_hand_computed_times():
+  ranked = costmodel.recommend(
+      SMALL, 8, 1.0, 10.0, methods=["allreduce", "gtopk", "cast"],
+      compute_s={"gtopk": 1e-3}, base_compute_s=0.5,
+  )
+  # P = 8 at 125e6 bytes/s and 10 us per message, n = 2,080:
+  # allreduce: 2 * 7/8 * 4n = 14,560 bytes, 14 messages;
+  # cast: all-to-all and all-gather of 2n bytes, 7/8 each: 7,280 bytes, 14 messages;
+  # gtopk: k = 3, three butterfly rounds of 12 bytes of values and 12 of
+  # indices, 6 messages, plus its 1 ms of compression.
+  expected = {
+      "cast": 0.5 + 7280 / 125e6 + 14 * 10e-6,
+      "allreduce": 0.5 + 14560 / 125e6 + 14 * 10e-6,
+      "gtopk": 0.5 + 1e-3 + 72 / 125e6 + 6 * 10e-6,
+  }
+  assert [r.name for r in ranked] == ["cast", "allreduce", "gtopk"]
+  for r in ranked:
+    assert r.seconds == pytest.approx(expected[r.name], rel=1e-12)
+  assert ranked[2].config == {"density": 0.001}
+
+
 def test_recommend_on_the_torus_and_with_given_compute():
   ranked = costmodel.recommend(
       SMALL, (4, 8), 100.0, 1.0, methods=["allreduce", "cast"],
@@ -123,11 +164,6 @@ def test_recommend_on_the_torus_and_with_given_compute():
   assert ranked[1].seconds > 1.5
 
 
-def test_measure_compute_times_one_update():
-  seconds = costmodel.measure_compute(costmodel.build("cast", "data"), SMALL, repeats=2)
-  assert 0 < seconds < 5
-
-
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"bandwidth_gbit": 0.0}, "`bandwidth_gbit` must be in"),
@@ -135,23 +171,33 @@ def test_measure_compute_times_one_update():
      ({"latency_us": -1.0}, "`latency_us` must be in")],
 )
 def test_network_is_validated(kwargs, match):
-  cost = costmodel.build("allreduce", "data").wire_bytes(SMALL, 8)
+  cost = registry.wire_cost("allreduce", SMALL, 8)
   args = {"bandwidth_gbit": 1.0, "latency_us": 1.0, **kwargs}
   with pytest.raises(ValueError, match=match):
     costmodel.exchange_time(cost, **args)
 
 
 def test_names_are_validated():
-  with pytest.raises(ValueError, match="`name` must be one of"):
-    costmodel.build("zip", "data")
   with pytest.raises(ValueError, match="unknown methods"):
     costmodel.recommend(SMALL, 8, 1.0, 1.0, methods=["zip"])
   with pytest.raises(ValueError, match="`kind` must be one of"):
     costmodel.steps("broadcast", 4)
-  with pytest.raises(TypeError, match="`tx` must be a jaxcomp compressor"):
-    costmodel.predict(object(), SMALL, 8, 1.0, 1.0)
+  with pytest.raises(TypeError, match="holds no jaxcomp compressor"):
+    costmodel.predict(optax.sgd(0.1), SMALL, 8, 1.0, 1.0)
   with pytest.raises(ValueError, match="`compute_s` must be in"):
-    costmodel.predict(costmodel.build("allreduce", "data"), SMALL, 8, 1.0, 1.0, compute_s=-1)
+    costmodel.predict(jaxcomp.allreduce("data"), SMALL, 8, 1.0, 1.0, compute_s=-1)
+
+
+def test_every_method_has_a_measured_compute_figure():
+  assert list(compute.NS_PER_ELEMENT) == list(ALL)
+  for figure in compute.NS_PER_ELEMENT.values():
+    assert figure.ns_per_element >= 0
+    assert figure.command.startswith("python -m experiments.bench_compression")
+    assert figure.date and figure.note
+  n = shapes.num_params(shapes.resnet50())
+  assert compute.compression_s("dgc", n) == pytest.approx(4.72e-9 * n)
+  with pytest.raises(ValueError, match="`name` must be one of"):
+    compute.compression_s("zip", n)
 
 
 def test_scaling_tables_have_the_seeds_shapes():

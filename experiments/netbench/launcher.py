@@ -309,13 +309,10 @@ class Bench:
 
   def _compressor(self, method: str):
     """``(compressor, None)`` of a row (the torch rows: their twin), or ``(None, why)``."""
-    from jaxcomp import costmodel
+    from jaxcomp import registry
     if workload.is_torch(method) and importlib.util.find_spec("torch") is None:
       return None, "torch is not installed (pip install 'jaxcomp[peers]')"
-    try:
-      return costmodel.build(workload.jax_method(method), "data", **workload.config(method)), None
-    except ImportError as e:
-      return None, f"{type(e).__name__}: {e}"
+    return registry.build(workload.jax_method(method), "data", **workload.config(method)), None
 
   def _fill_phase(self, row: dict, phase: list[dict], tx, finals: list[dict]) -> None:
     """A row's numbers from one phase's results and, when they came, the final ones."""

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from experiments import shapes as shapes_lib  # noqa: E402
 from experiments.netbench import workload  # noqa: E402
-from jaxcomp import costmodel  # noqa: E402
+from jaxcomp import registry  # noqa: E402
 from jaxcomp import training  # noqa: E402
 from jaxcomp import wire  # noqa: E402
 
@@ -92,7 +92,7 @@ def run(spec: dict) -> dict:
   shapes = workload.gradient_shapes(spec["model"], spec["size"])
   key = jax.random.fold_in(jax.random.key(spec["seed"]), host)
   grads = shapes_lib.normal(shapes, key)
-  tx = costmodel.build(spec["method"], AXIS, **spec["config"])
+  tx = registry.build(spec["method"], AXIS, **spec["config"])
 
   global_grads = _stacked(grads, mesh)
   state = _stacked(tx.init(grads), mesh)

@@ -1,9 +1,9 @@
 """What is exchanged: the gradient shapes and the methods, shared by launcher and workers.
 
-The jaxcomp methods are :data:`jaxcomp.costmodel.METHODS` (built with
-:func:`jaxcomp.costmodel.build`, which imports each compressor's module only
-when it is asked for); the torch rows run PyTorch DDP with one of its comm
-hooks, and are priced by the cost model as their jaxcomp twin.
+The jaxcomp methods are :data:`jaxcomp.registry.METHODS` with their defaults
+(built with :func:`jaxcomp.registry.build`); the torch rows run PyTorch DDP
+with one of its comm hooks, and are priced by the cost model as their
+jaxcomp twin.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import shapes
-from jaxcomp import costmodel
+from jaxcomp import registry
 
 MODELS = {"resnet50": shapes.resnet50, "transformer": shapes.transformer}
 
@@ -33,7 +33,7 @@ _SYNTHETIC_WIDTH = 128
 
 
 def method_names() -> list[str]:
-  return [*costmodel.METHODS, *TORCH_TWINS]
+  return [*registry.names(), *TORCH_TWINS]
 
 
 def is_torch(method: str) -> bool:
@@ -46,8 +46,8 @@ def jax_method(method: str) -> str:
 
 
 def config(method: str) -> dict:
-  """The configuration a row runs with (the cost model's defaults)."""
-  return dict(costmodel.METHODS[jax_method(method)].defaults)
+  """The configuration a row runs with (the registry's defaults)."""
+  return registry.configuration(jax_method(method))
 
 
 def gradient_shapes(model: str, size: Optional[int] = None) -> dict:

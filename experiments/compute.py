@@ -1,0 +1,155 @@
+"""Compression compute: timed on the machine at hand, and the figures timed here before.
+
+The cost model (:mod:`jaxcomp.costmodel`) is arithmetic only; the seconds of
+computation it adds to a step come from here. :func:`time_update` and
+:func:`measure` time a compressor's ``update`` on a mesh of one device, where
+its collectives run over a group of one, so what is left is the compression
+itself (selection, packing, projections, error feedback) and the fused copy
+in and out that dense pays too. :func:`measure_step` times a whole training
+step (forward, backward and compression) the same way.
+
+:data:`NS_PER_ELEMENT` holds figures measured once with
+``experiments.bench_compression`` on ResNet-50's 25.6M gradient elements:
+each method's median step less dense ``allreduce``'s in the same run (the
+fused copy every method pays, which is not compression), divided by the
+element count, and 0 where a method measured no slower than dense. They are
+measurements of one machine (:data:`DEVICE`), not properties of the methods:
+re-measure them for another.
+
+Example::
+
+  seconds = compute.measure(jaxcomp.topk(0.001, "data"), shapes.resnet50())
+  figure = compute.compression_s("topk", shapes.num_params(shapes.resnet50()))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import optax
+
+from experiments import shapes
+from jaxcomp import training
+
+AXIS = "data"
+
+DEVICE = "2 CPU cores, one process, one device, jax 0.10.2"
+_ALL_METHODS = "python -m experiments.bench_compression --model resnet50 --repeats 9"
+_QSGD = ("python -m experiments.bench_compression --model resnet50 --repeats 3"
+         " --only allreduce,qsgd")
+_QUIET = "a quiet machine: dense 106 ms per step"
+
+
+class Measurement(NamedTuple):
+  """Compression nanoseconds per gradient element, and how they were measured.
+
+  Attributes:
+    ns_per_element: the method's median step less dense ``allreduce``'s,
+      divided by the element count (0 when no slower than dense).
+    command: the benchmark run it comes from (rank 4, density 0.001: the
+      benchmark's defaults; random-k at 0.001 too).
+    date: the day of the run.
+    note: what the run saw beside the figure.
+  """
+
+  ns_per_element: float
+  command: str
+  date: str
+  note: str
+
+
+# On :data:`DEVICE`, ResNet-50 shapes (25,557,032 elements). Random-k draws
+# its shared indices by a top-k of n uniform draws.
+NS_PER_ELEMENT: dict[str, Measurement] = {
+    "allreduce": Measurement(0.0, _ALL_METHODS, "2026-11-23", _QUIET),
+    "cast": Measurement(0.0, _ALL_METHODS, "2026-11-23", _QUIET),
+    "topk": Measurement(1.71, _ALL_METHODS, "2026-11-23", _QUIET),
+    "gtopk": Measurement(1.60, _ALL_METHODS, "2026-11-23", _QUIET),
+    "randomk": Measurement(14.6, _ALL_METHODS, "2026-11-23", _QUIET),
+    "dgc": Measurement(4.72, _ALL_METHODS, "2026-11-23", _QUIET),
+    "signsgd": Measurement(1.73, _ALL_METHODS, "2026-11-23", _QUIET),
+    "qsgd": Measurement(
+        21.2, _QSGD, "2026-11-23",
+        "a shared machine (1-minute load 3.9 to 5.0 on the 2 cores): dense 163.5 ms,"
+        " qsgd 706.1 ms per step, so likely above a quiet machine's figure"),
+    "powersgd": Measurement(1.15, _ALL_METHODS, "2026-11-23", _QUIET),
+    "acpsgd": Measurement(2.01, _ALL_METHODS, "2026-11-23", _QUIET),
+}
+
+
+def compression_s(name: str, num_elements: int) -> float:
+  """Seconds of compression of ``num_elements`` by ``name``, from :data:`NS_PER_ELEMENT`."""
+  if name not in NS_PER_ELEMENT:
+    raise ValueError(f"`name` must be one of {list(NS_PER_ELEMENT)}, got {name!r}")
+  return NS_PER_ELEMENT[name].ns_per_element * 1e-9 * num_elements
+
+
+def _timed(call: Callable[[], object], repeats: int) -> tuple[float, list[float]]:
+  """``(seconds of the first call, seconds of each of the next repeats)``."""
+  if repeats < 1:
+    raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+  start = time.perf_counter()
+  jax.block_until_ready(call())
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+  return first, times
+
+
+def time_update(
+    tx: optax.GradientTransformation, grads: optax.Updates, repeats: int
+) -> tuple[float, float]:
+  """``(compile seconds, median seconds per step)`` of ``tx.update`` on one device.
+
+  ``tx`` must be built over the axis ``"data"``; its state is fed back from
+  step to step (ACP-SGD alternates its two halves, DGC walks its schedule).
+  """
+  mesh = training.make_mesh(1)
+  update = training.make_update(tx, mesh, AXIS, donate=True)
+  state = training.init_state(tx, grads, mesh, AXIS)
+  stacked = training.stack_per_device(grads, mesh, AXIS)
+
+  def step():
+    nonlocal state
+    out, state = update(stacked, state)
+    return out, state
+
+  compile_s, times = _timed(step, repeats)
+  return compile_s, statistics.median(times)
+
+
+def measure(tx: optax.GradientTransformation, params: optax.Params, repeats: int = 5) -> float:
+  """Median seconds of ``tx.update`` on one device, on a Gaussian gradient like ``params``."""
+  grads = shapes.normal(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+                        jax.random.key(0))
+  return time_update(tx, grads, repeats)[1]
+
+
+def measure_step(
+    loss_fn: training.LossFn, tx: optax.GradientTransformation, params: optax.Params,
+    batch, repeats: int = 10,
+) -> float:
+  """Median seconds of one training step (forward, backward, ``tx``) on one device.
+
+  The step a worker runs between exchanges, on a mesh of one device (its
+  collectives over a group of one), without other devices sharing the cores.
+  ``batch`` is one worker's batch; ``tx`` must be built over the axis ``"data"``.
+  """
+  mesh = training.make_mesh(1)
+  params = training.replicate(params, mesh)
+  state = training.init_state(tx, params, mesh, AXIS)
+  batch = training.shard(batch, mesh, AXIS)
+  train_step = training.make_step(loss_fn, tx, mesh, AXIS)
+
+  def step():
+    nonlocal params, state
+    params, state, metrics = train_step(params, state, batch)
+    return metrics
+
+  return statistics.median(_timed(step, repeats)[1])
