@@ -7,9 +7,9 @@ measured in the same run, and recall against the exact ``lax.top_k``:
 * ``lax.top_k``: exact, the baseline;
 * ``lax.approx_max_k``: XLA's approximate top-k (exact on CPU);
 * ``sampled threshold``: DGC's selection,
-  :func:`jaxcomp.sparsify.sampled_topk` (threshold from a sample, one-pass
+  :func:`jaxcomp.selection.sampled_topk` (threshold from a sample, one-pass
   compaction, exact top-k among the candidates, ``lax.top_k`` fallback);
-* ``exact_topk``: :func:`jaxcomp.sparsify.exact_topk`, the same sampled
+* ``exact_topk``: :func:`jaxcomp.selection.exact_topk`, the same sampled
   threshold with a ``lax.top_k`` fallback whenever fewer than k entries pass
   it: always the entries of ``lax.top_k`` (what topk and gtopk use on large
   buckets).
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from jaxcomp import sparsify
+from jaxcomp import selection
 
 
 def _median_seconds(fn, args, repeats: int) -> tuple[float, float]:
@@ -73,10 +73,10 @@ def main(argv=None) -> None:
   exact_fn = jax.jit(lambda x: lax.top_k(jnp.abs(x), k)[1])
   approx_fn = jax.jit(lambda x: lax.approx_max_k(jnp.abs(x), k)[1])
   sampled_fn = jax.jit(
-      lambda x, key: sparsify.sampled_topk(x, k, k, key, args.sample_ratio)[1]
+      lambda x, key: selection.sampled_topk(x, k, k, key, args.sample_ratio)[1]
   )
 
-  exact_topk_fn = jax.jit(lambda x: sparsify.exact_topk(x, k)[1])
+  exact_topk_fn = jax.jit(lambda x: selection.exact_topk(x, k)[1])
 
   exact = np.asarray(exact_fn(x))
   rows = [

@@ -94,7 +94,10 @@ def _interval(low, high, low_open, high_open) -> str:
   def show(v):
     if math.isinf(v):
       return "inf" if v > 0 else "-inf"
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+    if float(v).is_integer():
+      v = int(v)
+      return f"2**{v.bit_length() - 1}" if v >= 2**16 and v & (v - 1) == 0 else str(v)
+    return f"{v:g}"
   return f"{left}{show(low)}, {show(high)}{right}"
 
 

@@ -329,6 +329,8 @@ def find_specs(tx: Any) -> list[Spec]:
     elif isinstance(obj, dict):
       for item in obj.values():
         visit(item, depth + 1)
+    elif hasattr(obj, "__func__") and hasattr(obj, "__self__"):  # a bound method
+      visit(obj.__self__, depth + 1)
     elif callable(obj) and hasattr(obj, "__code__"):
       for cell in obj.__closure__ or ():
         try:

@@ -1,10 +1,22 @@
-"""Helpers that several test modules share (8 fake CPU devices, see conftest.py)."""
+"""Helpers that several test modules share (8 fake CPU devices, see conftest.py).
+
+Beside the step builders, the plain-numpy oracles: one per collective and per
+selection the compressors are built from. Each is the spec; the tests compare
+the library to it exactly (bit for bit wherever the summation order cannot
+matter, which the tests arrange with integer-valued or power-of-two data).
+"""
+
+import functools
 
 import chex
 import jax
+from jax.sharding import PartitionSpec
 import numpy as np
 
+from jaxcomp import collectives
 from jaxcomp import training
+
+EMPTY = collectives.EMPTY_INDEX
 
 
 def axis_of(names):
@@ -38,7 +50,7 @@ def run_two_steps(make_tx, params, mesh_shape, axis_names):
   compiled = fn.lower(grads[0], states[0]).compile()
   outs = []
   for g in grads:
-    out, state = fn(g, states[-1])
+    out, state = jax.block_until_ready(fn(g, states[-1]))
     outs.append(out)
     states.append(state)
   return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled,
@@ -61,6 +73,154 @@ def assert_same_on_devices(out):
       np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
 
 
+def assert_bitwise_equal(got, want):
+  """Two arrays equal bit for bit (NaN payloads and signed zeros included)."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# ------------------------------------------------------------------ selections
+
+
 def np_topk(x, k):
-  """Indices of the k largest |x| (ties: lower index), the spec of select_topk."""
+  """Indices of the k largest |x| (ties: lower index), the spec of ``lax.top_k``'s choice."""
   return np.argsort(-np.abs(x), kind="stable")[:k]
+
+
+def random_indices_reference(key, n, k):
+  """The spec of random-k's coordinates, sorted int32: the k largest of n uniform draws.
+
+  ``key`` is the step's draw key; the draws are ``jax.random.uniform(key, (n,))``
+  and the choice is numpy's (ties: lower index), not the library's.
+  """
+  draws = np.asarray(jax.random.uniform(key, (n,)))
+  return np.sort(np.argsort(-draws, kind="stable")[:k]).astype(np.int32)
+
+
+def step_draw_keys(seed, steps):
+  """``(draw keys of the first steps, the state's key after them)`` from a seed.
+
+  The shared path splits the state's key every step into the next state key
+  and the step's draw: ``next, draw = jax.random.split(key)``.
+  """
+  key, draws = jax.random.key(seed), []
+  for _ in range(steps):
+    key, draw = jax.random.split(key)
+    draws.append(draw)
+  return draws, key
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def prescale(x, num_devices):
+  """A payload as it goes on the wire: ``x / P`` in f32, the way XLA:CPU computes it.
+
+  XLA rewrites a division by a constant into a multiplication by its f32
+  reciprocal (exact for a power-of-two ``P``, within an ulp of ``x / P``
+  otherwise); the oracles do the same.
+  """
+  return np.asarray(x, np.float32) * (np.float32(1) / np.float32(num_devices))
+
+
+def reduce_sum_reference(blocks):
+  """The spec of ``psum``, the torus all-reduce and ``collectives.reduce_sum``.
+
+  ``blocks``: ``[P, ...]``, one row per device. The exact sum (float64),
+  rounded once to f32: equal to any f32 summation order when every partial
+  sum is exact (data on a coarse grid, such as integers).
+  """
+  return np.asarray(blocks, np.float64).sum(axis=0).astype(np.float32)
+
+
+def mean_reference(blocks, wire_dtype=None):
+  """The spec of ``collectives.mean``: every device's ``x / P``, summed.
+
+  With a 16-bit ``wire_dtype`` (one axis) each device's ``x / P`` is rounded
+  to it before the sum (the all-to-all), the f32 sum is rounded to it again
+  (the all-gather) and widened back to f32.
+  """
+  blocks = np.asarray(blocks, np.float32)
+  parts = prescale(blocks, blocks.shape[0])
+  if wire_dtype is None:
+    return reduce_sum_reference(parts)
+  parts = parts.astype(wire_dtype).astype(np.float32)
+  return reduce_sum_reference(parts).astype(wire_dtype).astype(np.float32)
+
+
+def allgather_reference(blocks):
+  """The spec of ``collectives.allgather``: every device holds every row, in device order.
+
+  Over a pair of axes the order is the mesh's row-major one (device ``(i, j)``
+  of an ``R x C`` mesh is row ``i * C + j``).
+  """
+  return np.stack([np.asarray(b) for b in blocks])
+
+
+def sparse_allgather_reference(values, indices):
+  """The spec of ``collectives.sparse_allgather``: the all-gather of both halves of the pairs."""
+  return allgather_reference(values), allgather_reference(indices).astype(np.int32)
+
+
+def densify_reference(values, indices, n):
+  """The spec of ``collectives.densify``: scatter-add in row order, empty slots dropped."""
+  dense = np.zeros(n, np.float32)
+  for v, i in zip(np.asarray(values, np.float32).reshape(-1), np.asarray(indices).reshape(-1)):
+    if i != EMPTY:
+      dense[i] = np.float32(dense[i] + v)
+  return dense
+
+
+def merge_topk_reference(va, ia, vb, ib, k):
+  """The spec of ``collectives.merge_topk``: sums at equal indices, the k largest |v|.
+
+  Ties go to the lower index; NaN ranks above every number; missing slots hold
+  value 0 and index ``EMPTY``.
+  """
+  sums = {}
+  for v, i in zip(np.concatenate([va, vb]), np.concatenate([ia, ib])):
+    if i == EMPTY:
+      continue
+    sums[int(i)] = np.float32(sums[int(i)] + v) if int(i) in sums else np.float32(v)
+  magnitude = lambda v: np.inf if np.isnan(v) else abs(v)
+  ranked = sorted(sums.items(), key=lambda e: (-magnitude(e[1]), e[0]))[:k]
+  ranked += [(EMPTY, np.float32(0))] * (k - len(ranked))
+  return (
+      np.array([v for _, v in ranked], np.float32),
+      np.array([i for i, _ in ranked], np.int32),
+  )
+
+
+def gtopk_allreduce_reference(blocks, k):
+  """The spec of ``collectives.gtopk_allreduce`` over per-device ``(values, indices)`` blocks.
+
+  Devices past the largest power of two ``Q`` fold into devices ``i - Q``
+  first; round ``r`` merges partners ``i XOR 2**r``; every device ends with
+  device 0's pair.
+  """
+  state = list(blocks)
+  size = len(state)
+  power = 1 << (size.bit_length() - 1)
+  for j in range(size - power):
+    state[j] = merge_topk_reference(*state[j], *state[power + j], k)
+  distance = 1
+  while distance < power:
+    state = [merge_topk_reference(*state[i], *state[i ^ distance], k) for i in range(power)]
+    distance *= 2
+  return state[0]
+
+
+@functools.lru_cache(maxsize=None)
+def gtopk_allreduce_fn(num_devices, k):
+  """jit(shard_map) of ``collectives.gtopk_allreduce`` over ``[P, k]`` values and indices."""
+  mesh = training.make_mesh(num_devices)
+
+  def per_device(values, indices):
+    v, i = collectives.gtopk_allreduce(values[0], indices[0], k, "data")
+    return v[None], i[None]
+
+  spec = PartitionSpec("data")
+  return jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+      check_vma=False))

@@ -1,13 +1,14 @@
-"""Collectives against psum and against a plain numpy butterfly, on 8 fake devices."""
+"""Collectives against their numpy oracles (tests/harness.py), on 8 fake devices."""
 
+from fractions import Fraction
 import functools
+import math
 
 import chex
 import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
@@ -15,37 +16,9 @@ import pytest
 from jaxcomp import collectives
 from jaxcomp import training
 from jaxcomp import wire
+import harness
 
 EMPTY = collectives.EMPTY_INDEX
-
-
-def merge_reference(va, ia, vb, ib, k):
-  """The spec of a merge: sum at equal indices, keep the k largest |v|, ties to the lower index."""
-  sums = {}
-  for v, i in zip(np.concatenate([va, vb]), np.concatenate([ia, ib])):
-    if i == EMPTY:
-      continue
-    sums[int(i)] = np.float32(sums[int(i)] + v) if int(i) in sums else np.float32(v)
-  ranked = sorted(sums.items(), key=lambda e: (-abs(e[1]), e[0]))[:k]
-  ranked += [(EMPTY, np.float32(0))] * (k - len(ranked))
-  return (
-      np.array([v for _, v in ranked], np.float32),
-      np.array([i for i, _ in ranked], np.int32),
-  )
-
-
-def gtopk_allreduce_reference(blocks, k):
-  """The butterfly over per-device ``(values, indices)`` blocks, in numpy."""
-  state = list(blocks)
-  size = len(state)
-  power = 1 << (size.bit_length() - 1)
-  for j in range(size - power):
-    state[j] = merge_reference(*state[j], *state[power + j], k)
-  distance = 1
-  while distance < power:
-    state = [merge_reference(*state[i], *state[i ^ distance], k) for i in range(power)]
-    distance *= 2
-  return state[0]
 
 
 def _local_topk_blocks(num_devices, n, k, seed):
@@ -53,69 +26,59 @@ def _local_topk_blocks(num_devices, n, k, seed):
   dense = rng.standard_normal((num_devices, n)).astype(np.float32)
   # Shared coordinates make partners sum entries, exercising the merge.
   dense[:, :3] += 4.0
-  indices = np.argsort(-np.abs(dense), axis=1, kind="stable")[:, :k].astype(np.int32)
+  indices = np.stack([harness.np_topk(row, k) for row in dense]).astype(np.int32)
   values = np.take_along_axis(dense, indices, axis=1)
   return values, indices
 
 
-@functools.lru_cache(maxsize=None)
-def _gtopk_fn(num_devices, k):
-  mesh = training.make_mesh(num_devices)
+def _integers(shape, seed):
+  """Integer-valued f32: every partial sum is exact, so any summation order is bitwise equal."""
+  return np.random.default_rng(seed).integers(-1000, 1000, shape).astype(np.float32)
 
-  def per_device(values, indices):
-    v, i = collectives.gtopk_allreduce(values[0], indices[0], k, "data")
-    return v[None], i[None]
 
-  spec = P("data")
+def _per_device(fn, mesh, spec, out_specs=None):
+  """jit(shard_map) of ``fn`` on this device's row, rows stacked back."""
   return jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+      lambda *xs: jax.tree.map(lambda y: y[None], fn(*(x[0] for x in xs))),
+      mesh=mesh, in_specs=spec, out_specs=spec if out_specs is None else out_specs,
       check_vma=False))
 
 
-@pytest.mark.parametrize("num_devices", [2, 4, 8])
+# ------------------------------------------------------------------ gTop-k
+
+
+@pytest.mark.parametrize("num_devices", [2, 3, 4, 5, 6, 7, 8])
 def test_gtopk_allreduce_equals_numpy_butterfly(num_devices):
   k = 6
   values, indices = _local_topk_blocks(num_devices, 64, k, seed=num_devices)
-  out_v, out_i = _gtopk_fn(num_devices, k)(values, indices)
-  ref_v, ref_i = gtopk_allreduce_reference(list(zip(values, indices)), k)
+  out_v, out_i = harness.gtopk_allreduce_fn(num_devices, k)(values, indices)
+  ref_v, ref_i = harness.gtopk_allreduce_reference(list(zip(values, indices)), k)
   for d in range(num_devices):
-    np.testing.assert_array_equal(np.asarray(out_i[d]), ref_i)
-    np.testing.assert_array_equal(np.asarray(out_v[d]), ref_v)
+    harness.assert_bitwise_equal(out_i[d], ref_i)
+    harness.assert_bitwise_equal(out_v[d], ref_v)
 
 
 def test_gtopk_allreduce_on_two_devices_is_exact_topk_of_the_sum():
   k = 6
   values, indices = _local_topk_blocks(2, 64, k, seed=7)
-  dense = np.zeros(64, np.float32)
-  for v, i in zip(values, indices):
-    np.add.at(dense, i, v)
-  out_v, out_i = _gtopk_fn(2, k)(values, indices)
-  top = np.argsort(-np.abs(dense), kind="stable")[:k]
-  assert set(np.asarray(out_i[0]).tolist()) == set(top.tolist())
-  np.testing.assert_array_equal(np.asarray(out_v[0]), dense[np.asarray(out_i[0])])
+  dense = harness.densify_reference(values, indices, 64)
+  out_v, out_i = harness.gtopk_allreduce_fn(2, k)(values, indices)
+  np.testing.assert_array_equal(np.asarray(out_i[0]), harness.np_topk(dense, k))
+  harness.assert_bitwise_equal(out_v[0], dense[harness.np_topk(dense, k)])
 
 
-@pytest.mark.parametrize("num_devices", [3, 5, 6, 7])
-def test_gtopk_allreduce_other_device_counts_agree_bitwise(num_devices):
-  k = 5
-  values, indices = _local_topk_blocks(num_devices, 48, k, seed=num_devices)
-  out_v, out_i = _gtopk_fn(num_devices, k)(values, indices)
-  ref_v, ref_i = gtopk_allreduce_reference(list(zip(values, indices)), k)
-  for d in range(num_devices):
-    np.testing.assert_array_equal(np.asarray(out_v[d]), ref_v)
-    np.testing.assert_array_equal(np.asarray(out_i[d]), ref_i)
-
-
-@pytest.mark.parametrize("num_devices", [2, 4, 8])
-def test_gtopk_allreduce_sends_log2p_times_8k_bytes(num_devices):
+@pytest.mark.parametrize("num_devices", [2, 3, 4, 5, 6, 7, 8])
+def test_gtopk_allreduce_bytes_equal_the_formula(num_devices):
+  """``log2(P)`` rounds of ``8 k`` bytes; two more (fold, send-back) when P is no power of two."""
   k = 6
   values, indices = _local_topk_blocks(num_devices, 64, k, seed=0)
-  compiled = _gtopk_fn(num_devices, k).lower(values, indices).compile()
+  compiled = harness.gtopk_allreduce_fn(num_devices, k).lower(values, indices).compile()
   sent = wire.collective_bytes(compiled)
-  rounds = num_devices.bit_length() - 1
+  power = 1 << (num_devices.bit_length() - 1)
+  rounds = int(math.log2(power)) + (2 if power != num_devices else 0)
   assert sent.total == rounds * 8 * k
   assert set(sent.by_kind) == {"collective-permute"}
-  assert sum(t.bytes for t in collectives.gtopk_allreduce_bytes(k, num_devices)) == sent.total
+  assert sum(t.bytes for t in wire.gtopk(k, num_devices)) == sent.total
 
 
 @hypothesis.given(
@@ -136,63 +99,138 @@ def test_merge_topk_matches_reference_and_is_symmetric(seed, overlap):
   merge = jax.jit(collectives.merge_topk, static_argnums=4)
   ab = merge(va, ia, vb, ib, k)
   ba = merge(vb, ib, va, ia, k)
-  ref = merge_reference(va, ia, vb, ib, k)
+  ref = harness.merge_topk_reference(va, ia, vb, ib, k)
   chex.assert_trees_all_equal(tuple(map(np.asarray, ab)), tuple(map(np.asarray, ba)))
-  np.testing.assert_array_equal(np.asarray(ab[1]), ref[1])
-  np.testing.assert_array_equal(np.asarray(ab[0]), ref[0])
+  harness.assert_bitwise_equal(ab[1], ref[1])
+  harness.assert_bitwise_equal(ab[0], ref[0])
 
 
+def test_merge_topk_ranks_nan_first():
+  """A NaN (the poison) survives every merge: it ranks above any magnitude."""
+  k = 2
+  va, ia = np.array([np.nan, 1.0], np.float32), np.array([4, 5], np.int32)
+  vb, ib = np.array([7.0, 3.0], np.float32), np.array([6, 8], np.int32)
+  got = jax.jit(collectives.merge_topk, static_argnums=4)(va, ia, vb, ib, k)
+  ref = harness.merge_topk_reference(va, ia, vb, ib, k)
+  np.testing.assert_array_equal(np.asarray(got[1]), ref[1])
+  np.testing.assert_array_equal(ref[1], [4, 6])
+  harness.assert_bitwise_equal(got[0], ref[0])
+
+
+# ------------------------------------------------------------------ dense sums
+
+
+@functools.lru_cache(maxsize=None)
 def _torus_fn(shape, names):
-  mesh = training.make_mesh(shape, names)
-  spec = P(names)
-  return jax.jit(jax.shard_map(
-      lambda x: collectives.torus_allreduce(x[0], *names)[None],
-      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+  return _per_device(lambda x: collectives.torus_allreduce(x, *names),
+                     training.make_mesh(shape, names), P(names))
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("leaf_shape", [(16,), (5, 7)], ids=["even", "uneven"])
-def test_torus_allreduce_equals_psum(shape, leaf_shape):
+def test_torus_allreduce_equals_the_sum_and_runs_the_torus(shape, leaf_shape):
   names = ("x", "y")
-  x = jax.random.normal(jax.random.key(1), (8, *leaf_shape))
+  x = _integers((8, *leaf_shape), seed=sum(leaf_shape))
   torus = _torus_fn(shape, names)
-  mesh = training.make_mesh(shape, names)
-  psum = jax.jit(jax.shard_map(
-      lambda x: lax.psum(x[0], names)[None], mesh=mesh, in_specs=P(names),
-      out_specs=P(names), check_vma=False))
-  got, want = torus(x), psum(x)
-  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
-  for d in range(1, 8):
-    np.testing.assert_array_equal(np.asarray(got[d]), np.asarray(got[0]))
+  got = np.asarray(torus(x))
+  want = harness.reduce_sum_reference(x)
+  for d in range(8):
+    harness.assert_bitwise_equal(got[d], want)
   sent = wire.collective_bytes(torus.lower(x).compile())
   rows, cols = shape
-  formula = collectives.torus_allreduce_bytes(int(np.prod(leaf_shape)), rows, cols)
+  formula = wire.torus_allreduce(math.prod(leaf_shape), rows, cols)
   assert set(sent.by_kind) == {"reduce-scatter", "all-reduce", "all-gather"}
   assert sent.total == sum(t.bytes for t in formula)
   assert [op.group_size for op in sent.ops] == [rows, cols, rows]
 
 
+@pytest.mark.parametrize("axes", [("data",), ("x", "y")], ids=["ring", "torus"])
+def test_reduce_sum_and_mean_equal_their_oracles(axes):
+  shape = 8 if len(axes) == 1 else (2, 4)
+  mesh = training.make_mesh(shape, axes)
+  axis = harness.axis_of(axes)
+  x = _integers((8, 5, 7), seed=3) * 8  # x / 8 is exact too
+  fn = _per_device(lambda x: (collectives.reduce_sum(x, axis), collectives.mean(x, axis)),
+                   mesh, P(axes), (P(axes), P(axes)))
+  total, mean = fn(x)
+  for d in range(8):
+    harness.assert_bitwise_equal(total[d], harness.reduce_sum_reference(x))
+    harness.assert_bitwise_equal(mean[d], harness.mean_reference(x))
+  sent = wire.collective_bytes(fn.lower(x).compile())
+  sizes = (8,) if len(axes) == 1 else (2, 4)
+  one = wire.mean(35, sizes)
+  assert sent.total == 2 * sum(t.bytes for t in one)
+
+
+@pytest.mark.parametrize("wire_dtype", [jnp.bfloat16, jnp.float16])
+def test_narrow_mean_equals_its_oracle(wire_dtype):
+  """Each device's ``x / P`` rounded to 16 bits, summed in f32, rounded again."""
+  mesh = training.make_mesh(8)
+  # Few significant bits and a narrow range: every f32 partial sum is exact.
+  x = (_integers((8, 37), seed=5) / 64).astype(np.float32)
+  fn = _per_device(lambda x: collectives.mean(x, "data", wire_dtype=wire_dtype), mesh, P("data"))
+  got = np.asarray(fn(x))
+  want = harness.mean_reference(x, wire_dtype)
+  assert not np.array_equal(want, harness.mean_reference(x))  # the rounding shows
+  for d in range(8):
+    harness.assert_bitwise_equal(got[d], want)
+  sent = wire.collective_bytes(fn.lower(x).compile())
+  assert sent.by_kind == {t.kind: t.bytes for t in wire.mean(37, (8,), wire_dtype=wire_dtype)}
+  # 37 elements padded to 40, 2 bytes each, 7/8 of them sent twice.
+  assert sent.total == Fraction(2 * 7 * 2 * 40, 8)
+
+
+def test_mean_scales_before_the_sum():
+  """Eight gradients near the f32 maximum: their sum overflows, their mean does not."""
+  mesh = training.make_mesh(8)
+  x = np.full((8, 4), 3 * 2.0**126, np.float32)  # 2.6e38, few significant bits: exact sums
+  fn = _per_device(lambda x: (collectives.reduce_sum(x, "data"), collectives.mean(x, "data")),
+                   mesh, P("data"), (P("data"), P("data")))
+  total, mean = fn(x)
+  assert np.all(np.isinf(np.asarray(total)))
+  harness.assert_bitwise_equal(mean, x)
+  harness.assert_bitwise_equal(mean[0], harness.mean_reference(x))
+
+
+# ------------------------------------------------------------------ sparse payloads
+
+
 def test_sparse_allgather_gives_every_devices_pair():
   mesh = training.make_mesh(8)
-  values = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
-  indices = jnp.arange(8 * 3, dtype=jnp.int32).reshape(8, 3) * 2
-  fn = jax.jit(jax.shard_map(
-      lambda v, i: tuple(a[None] for a in collectives.sparse_allgather(v[0], i[0], "data")),
-      mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data")),
-      check_vma=False))
+  rng = np.random.default_rng(0)
+  values = rng.standard_normal((8, 3)).astype(np.float32)
+  indices = rng.choice(50, (8, 3)).astype(np.int32)
+  spec = (P("data"), P("data"))
+  fn = _per_device(lambda v, i: collectives.sparse_allgather(v, i, "data"), mesh, spec)
   got_v, got_i = fn(values, indices)
+  want_v, want_i = harness.sparse_allgather_reference(values, indices)
   for d in range(8):
-    np.testing.assert_array_equal(np.asarray(got_v[d]), np.asarray(values))
-    np.testing.assert_array_equal(np.asarray(got_i[d]), np.asarray(indices))
+    harness.assert_bitwise_equal(got_v[d], want_v)
+    harness.assert_bitwise_equal(got_i[d], want_i)
   sent = wire.collective_bytes(fn.lower(values, indices).compile())
-  assert sent.total == 7 * 3 * 8 == sum(t.bytes for t in collectives.sparse_allgather_bytes(3, 8))
+  assert sent.total == 7 * 3 * 8 == sum(t.bytes for t in wire.sparse_allgather(3, 8))
 
 
-def test_densify_drops_empty_slots_and_sums_repeats():
-  values = jnp.array([[1.0, 2.0], [3.0, 4.0]])
-  indices = jnp.array([[0, EMPTY], [0, 3]], jnp.int32)
-  np.testing.assert_array_equal(
-      np.asarray(collectives.densify(values, indices, 4)), [4.0, 0.0, 0.0, 4.0])
+@pytest.mark.parametrize("axes", [("data",), ("x", "y")], ids=["ring", "torus"])
+def test_allgather_gives_every_devices_message_in_device_order(axes):
+  """Byte messages (what signSGD and QSGD send), over one axis or the whole 2D mesh."""
+  mesh = training.make_mesh(8 if len(axes) == 1 else (2, 4), axes)
+  messages = np.random.default_rng(1).integers(0, 256, (8, 5)).astype(np.uint8)
+  fn = _per_device(lambda m: collectives.allgather(m, harness.axis_of(axes)), mesh, P(axes))
+  got = np.asarray(fn(messages))
+  for d in range(8):
+    harness.assert_bitwise_equal(got[d], harness.allgather_reference(messages))
+  sent = wire.collective_bytes(fn.lower(messages).compile())
+  assert sent.total == 7 * 5 == sum(t.bytes for t in wire.allgather(5, 8))
+
+
+def test_densify_equals_its_oracle():
+  values = np.array([[1.0, 2.0, 0.5], [3.0, 4.0, -1.0]], np.float32)
+  indices = np.array([[0, EMPTY, 3], [0, 3, 1]], np.int32)
+  got = np.asarray(collectives.densify(jnp.asarray(values), jnp.asarray(indices), 4))
+  want = harness.densify_reference(values, indices, 4)
+  np.testing.assert_array_equal(want, [4.0, -1.0, 0.0, 4.5])
+  harness.assert_bitwise_equal(got, want)
 
 
 def test_unbound_axis_is_a_clear_error():

@@ -12,8 +12,8 @@ import pytest
 from jaxcomp import dense
 from jaxcomp import deep_gradient_compression as dgc
 from jaxcomp import training
-import harness
 from jaxcomp import wire
+import harness
 
 SHAPES = {"b": (12,), "c": (3, 4, 5), "w": (16, 12)}  # sparse (rank > 1): c, w
 N_SPARSE = 60 + 192
@@ -112,19 +112,61 @@ def test_compiled_bytes_equal_formula(sparse_leaves, num):
   assert got.total == sparse_bytes + dense_bytes
 
 
-def test_torus_bytes_and_warmup_capacity():
-  mesh = training.make_mesh((2, 4), ("x", "y"))
-  tx = dgc.dgc(0.05, ("x", "y"), warmup_steps=8)
+# The warm-up's k per stage on the sparse leaves (252 entries) at density 0.02:
+# 25%, 6.25%, then 1.5625% and 0.4% raised to the density, then the density.
+WARMUP_KS = (63, 16, 6, 6, 6)
+
+
+def _allgathers_by_branch(sent):
+  """``{branch: [gathered buffer bytes, ...]}`` of the compiled all-gathers."""
+  found = {}
+  for op in sent.ops:
+    if op.kind == "all-gather":
+      found.setdefault(op.branch, []).append(op.buffer_bytes)
+  return found
+
+
+@pytest.mark.parametrize("mesh_shape, names", [(8, ("data",)), ((2, 4), ("x", "y"))],
+                         ids=["ring", "torus"])
+def test_warmup_bytes_per_branch_equal_the_formula(mesh_shape, names):
+  """One branch per stage, each all-gathering its own k; the formula agrees branch by branch."""
+  axis = harness.axis_of(names)
+  mesh = training.make_mesh(mesh_shape, names)
+  tx = dgc.dgc(0.02, axis, warmup_steps=8, sample_ratio=0.5)
   params = params_like()
-  state = training.init_state(tx, params, mesh, ("x", "y"))
-  step = sharded_update(tx, mesh, axis=("x", "y"))
-  got = wire.collective_bytes(step.lower(device_grads(8), state).compile())
-  assert got.by_kind == wire.expected_bytes(tx, params, (2, 4)).by_kind
-  # The wire carries the fixed capacity, the largest k of the schedule (25%),
-  # beside the torus all-gather of the 12 dense elements (half of them sent).
-  assert got.by_kind["all-gather"] == 7 * 8 * math.ceil(0.25 * N_SPARSE) + 4 * 12 // 2
+  state = training.init_state(tx, params, mesh, axis)
+  step = sharded_update(tx, mesh, axis=axis)
+  sent = wire.collective_bytes(step.lower(device_grads(8), state).compile())
   out, _ = step(device_grads(8), state)
   harness.assert_same_on_devices(out)
+  want = wire.expected_bytes(tx, params, mesh_shape)
+  assert sent.by_branch == want.by_branch
+  # Each stage gathers its k values and k indices from 8 devices (4 bytes each).
+  gathers = _allgathers_by_branch(sent)
+  for stage, k in enumerate(WARMUP_KS):
+    assert gathers[stage] == [8 * 4 * k, 8 * 4 * k]
+    assert sent.by_branch[stage] == 7 * 8 * k
+  assert WARMUP_KS[0] > WARMUP_KS[-1]
+  # The 12 dense elements: outside the switch, the ring or torus mean of 12 f32.
+  sizes = (8,) if len(names) == 1 else mesh_shape
+  assert sent.by_branch[None] == sum(t.bytes for t in wire.mean(12, sizes))
+  # Over 10 steps each of the five stages takes 2: the program's 1/5 per branch.
+  assert sent.by_kind == wire.expected_bytes(tx, params, mesh_shape, steps=10).by_kind
+
+
+def test_warmup_formula_weights_the_stages():
+  params = {"w": jnp.zeros((100, 100))}
+  tx = dgc.dgc(0.001, "data", warmup_steps=100)
+  ks = (2500, 625, 157, 40, 10)  # ceil(d * 10_000) for 25%, 6.25%, 1.5625%, 0.4%, 0.1%
+  steady = wire.expected_bytes(tx, params, 8)
+  assert steady.by_branch == {i: 7 * 8 * k for i, k in enumerate(ks)}
+  assert steady.total == 7 * 8 * ks[-1]
+  early = wire.expected_bytes(tx, params, 8, steps=50)  # the first two stages, 25 steps each
+  assert early.total == 7 * 8 * Fraction(ks[0] + ks[1], 2)
+  later = wire.expected_bytes(tx, params, 8, steps=200)  # 25 steps per stage, then 100
+  assert later.total == 7 * 8 * Fraction(25 * sum(ks[:4]) + 100 * ks[4], 200)
+  no_warmup = wire.expected_bytes(dgc.dgc(0.001, "data"), params, 8)
+  assert no_warmup.by_branch == {None: 7 * 8 * 10}
 
 
 def test_compression_ratio_on_a_small_cnn():
@@ -246,25 +288,49 @@ def test_warmup_density_schedule():
   assert ramp == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.004, 0.004, 0.001, 0.001]
   assert dgc.warmup_density(0.01, 8, 7) == 0.01  # never below the target
   assert dgc.warmup_density(0.001, 0, 0) == 0.001
-  assert dgc.capacity(0.001, 100, 10_000) == 2500
-  assert dgc.capacity(0.001, 0, 10_000) == 10
+
+
+def test_stage_weights():
+  f = Fraction
+  # Steps 0..7 of an 8-step warm-up in stages 0,0,1,1,2,2,3,3; then the last stage.
+  assert dgc.stage_weights(8, 10) == (f(1, 5),) * 5
+  assert dgc.stage_weights(8, 5) == (f(2, 5), f(2, 5), f(1, 5), 0, 0)
+  assert dgc.stage_weights(8, 1) == (1, 0, 0, 0, 0)
+  # A 6-step warm-up: steps 0..5 in stages 0,0,1,2,2,3.
+  assert dgc.stage_weights(6, 4) == (f(1, 2), f(1, 4), f(1, 4), 0, 0)
+  assert dgc.stage_weights(6, 12) == (f(2, 12), f(1, 12), f(2, 12), f(1, 12), f(6, 12))
+  # Fewer warm-up steps than stages: stage 3 is never reached.
+  assert dgc.stage_weights(3, 4) == (f(1, 4), f(1, 4), f(1, 4), 0, f(1, 4))
+  assert dgc.stage_weights(8, None) == (0, 0, 0, 0, 1)
+  assert dgc.stage_weights(0, 7) == (1,)
+  assert dgc.stage_weights(0, None) == (1,)
+  with pytest.raises(ValueError, match="`steps`"):
+    dgc.stage_weights(8, 0)
 
 
 def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
+  """The step count picks the stage: every device sends the stage's k, from one program."""
   tx = dgc.dgc(0.02, "data", momentum=0.0, warmup_steps=8, sample_ratio=1.0)
   state = training.init_state(tx, params_like(), mesh8, "data")
   chex.clear_trace_counter()
   step = sharded_update(tx, mesh8, wrap=lambda f: chex.assert_max_traces(f, n=1))
-  sent_counts = []
+  sent_counts, out_counts = [], []
   for t in range(10):
     grads = device_grads(8, seed=10 + t)
-    _, state = step(grads, state)
+    out, state = jax.block_until_ready(step(grads, state))
     # Momentum 0: the momentum is the gradient, zeroed exactly where sent.
-    u = np.concatenate([harness.flat(state.momentum, 2)[s] for s in SPARSE.values()])
-    sent_counts.append(int(np.sum(u == 0)))
+    u = np.stack([np.concatenate([harness.flat(state.momentum, d)[s] for s in SPARSE.values()])
+                  for d in range(8)])
+    sent_counts.append(set(np.sum(u == 0, axis=1).tolist()))
+    sparse_out = np.concatenate([harness.flat(out, 0)[s] for s in SPARSE.values()])
+    out_counts.append(int(np.count_nonzero(sparse_out)))
   want = [math.ceil(dgc.warmup_density(0.02, 8, t) * N_SPARSE) for t in range(10)]
-  assert sent_counts == want
-  assert want[0] == 63 and want[-1] == 6
+  assert want == [63, 63, 16, 16, 6, 6, 6, 6, 6, 6]
+  assert sent_counts == [{k} for k in want]
+  # The mean holds the union of the devices' k entries: at least k, at most 8 k.
+  assert all(k <= c <= 8 * k for k, c in zip(want, out_counts))
+  assert out_counts[0] > out_counts[2] > out_counts[-1]
+  np.testing.assert_array_equal(np.asarray(state.count), np.full(8, 10))
 
 
 def test_sampled_threshold_selects_within_capacity(mesh8):
@@ -318,7 +384,7 @@ def test_mismatched_updates_raise():
     ({"momentum": float("nan")}, "`momentum` must be in \\[0, 1\\)"),
     ({"sample_ratio": 0.0}, "`sample_ratio` must be in \\(0, 1\\]"),
     ({"sample_ratio": 1.5}, "`sample_ratio` must be in \\(0, 1\\]"),
-    ({"warmup_steps": -1}, "`warmup_steps` must be >= 0"),
+    ({"warmup_steps": -1}, "`warmup_steps` must be in \\[0, inf\\)"),
     ({"clip_norm": 0.0}, "`clip_norm` must be None or in \\(0, inf\\)"),
     ({"clip_norm": float("inf")}, "`clip_norm` must be None or in \\(0, inf\\)"),
     ({"axis_name": ""}, "`axis_name`"),

@@ -12,8 +12,8 @@ from experiments import shapes
 from jaxcomp import dense as dense_lib
 from jaxcomp import lowrank
 from jaxcomp import training
-import harness
 from jaxcomp import wire
+import harness
 
 RANK = 2
 # conv (36 x 8) and two dense (16 x 12) kernels are compressed at rank 2;
@@ -31,8 +31,6 @@ FACTORIES = {
     "acpsgd": lambda axis: lowrank.acpsgd(RANK, axis),
 }
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
-
-
 
 
 def _leaf(tree, path):
@@ -111,7 +109,9 @@ def test_compiled_bytes_equal_formula(name, mesh_name):
   run = _run(name, mesh_name)
   shape = MESHES[mesh_name][0]
   got = wire.collective_bytes(run["compiled"])
-  assert got.by_kind == wire.expected_bytes(run["tx"], PARAMS, shape).by_kind
+  want = wire.expected_bytes(run["tx"], PARAMS, shape)
+  assert got.by_kind == want.by_kind
+  assert got.by_branch == want.by_branch
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -150,8 +150,9 @@ def test_acpsgd_one_fused_allreduce_per_branch():
   ops = wire.collective_bytes(_run("acpsgd", "1d")["compiled"]).ops
   assert [op.kind for op in ops] == ["all-reduce", "all-reduce"]
   assert all(op.weight == 0.5 for op in ops)
-  assert sorted(op.buffer_bytes for op in ops) == sorted(
-      4 * (size + view.dense.size) for size in (view.p_size, view.q_size))
+  # Branch 0 (even steps) reduces the P factors, branch 1 (odd steps) the Q factors.
+  assert {op.branch: op.buffer_bytes for op in ops} == {
+      0: 4 * (view.p_size + view.dense.size), 1: 4 * (view.q_size + view.dense.size)}
 
 
 def test_powersgd_two_allreduces():

@@ -19,10 +19,10 @@ from jaxcomp import collectives
 from jaxcomp import error_feedback
 from jaxcomp import fusion
 from jaxcomp import lowrank
+from jaxcomp import selection
 from jaxcomp import sparsify
 from jaxcomp import training
-from test_collectives import _gtopk_fn
-from test_collectives import gtopk_allreduce_reference
+import harness
 
 LEAF_SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (4, 1, 2, 3)]
 DTYPES = [np.float32, jnp.bfloat16, np.float16]
@@ -71,7 +71,7 @@ def test_fusion_partition_round_trip(tree, rule):
     density=st.sampled_from([0.1, 0.5, 1.0]),
 )
 def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
-  """``sent + new residual == grad + old residual`` bit for bit, sparse or dense ``sent``."""
+  """``sent + new residual == grad + old residual`` bit for bit, for a sparse ``sent``."""
   rng = np.random.default_rng(residual_seed)
   residual = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), tree)
   bucket = fusion.Bucket.of(tree)
@@ -79,12 +79,31 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   np.testing.assert_array_equal(
       np.asarray(corrected), np.asarray(bucket.flatten(tree) + bucket.flatten(residual)))
   k = max(1, int(np.ceil(density * bucket.size)))
-  values, indices = sparsify.select_topk(corrected, k)
+  values, indices = selection.select_topk(corrected, k)
   sent = collectives.densify(values, indices, bucket.size)
-  new = error_feedback.absorb(bucket, corrected, sent, residual)
+  # What a sparsifier keeps: the corrected gradient with the sent entries zeroed.
+  new = error_feedback.absorb(bucket, corrected.at[indices].set(0.0), residual)
+  assert jax.tree.structure(new) == jax.tree.structure(residual)
   np.testing.assert_array_equal(
       np.asarray(sent + bucket.flatten(new)), np.asarray(corrected))
   assert int(jnp.sum(sent != 0)) <= k
+
+
+@hypothesis.given(tree=pytrees(dtypes=[np.float32]), keep_seed=st.integers(0, 2**16))
+def test_error_feedback_absorbs_per_leaf_and_keeps_none_leaves(tree, keep_seed):
+  """Per-leaf ``kept``: each given leaf becomes the new residual, a ``None`` leaf stays."""
+  rng = np.random.default_rng(keep_seed)
+  residual = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), tree)
+  bucket = fusion.Bucket.of(tree)
+  fresh = [jnp.asarray(rng.normal(size=n), jnp.float32) for n in bucket.sizes]
+  unchanged = rng.random(len(fresh)) < 0.5
+  kept = [None if same else x for x, same in zip(fresh, unchanged)]
+  new = error_feedback.absorb(bucket, kept, residual)
+  old_leaves, new_leaves = jax.tree.leaves(residual), jax.tree.leaves(new)
+  for position, x, same in zip(bucket.leaves, fresh, unchanged):
+    want = old_leaves[position] if same else x.reshape(old_leaves[position].shape)
+    np.testing.assert_array_equal(np.asarray(new_leaves[position]), np.asarray(want))
+    assert new_leaves[position].shape == old_leaves[position].shape
 
 
 @hypothesis.settings(max_examples=8)
@@ -137,11 +156,11 @@ def test_gtopk_allreduce_equals_numpy_reference(num_devices, k, seed, levels):
     dense = rng.standard_normal((num_devices, n)).astype(np.float32)
   indices = np.stack([rng.choice(n, k, replace=False) for _ in range(num_devices)]).astype(np.int32)
   values = np.take_along_axis(dense, indices, axis=1)
-  out_v, out_i = _gtopk_fn(num_devices, k)(values, indices)
-  ref_v, ref_i = gtopk_allreduce_reference(list(zip(values, indices)), k)
+  out_v, out_i = harness.gtopk_allreduce_fn(num_devices, k)(values, indices)
+  ref_v, ref_i = harness.gtopk_allreduce_reference(list(zip(values, indices)), k)
   for device in range(num_devices):
-    np.testing.assert_array_equal(np.asarray(out_i[device]), ref_i)
-    np.testing.assert_array_equal(np.asarray(out_v[device]), ref_v)
+    harness.assert_bitwise_equal(out_i[device], ref_i)
+    harness.assert_bitwise_equal(out_v[device], ref_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,7 +188,8 @@ def test_torus_allreduce_equals_psum(mesh_shape, shape, seed):
   x = np.random.default_rng(seed).integers(-1000, 1000, (8,) + shape).astype(np.float32)
   torus, psum = _torus_fn(*mesh_shape, shape)(x)
   np.testing.assert_array_equal(np.asarray(torus), np.asarray(psum))
-  np.testing.assert_array_equal(np.asarray(torus)[0], x.sum(0))
+  for device in range(8):
+    harness.assert_bitwise_equal(np.asarray(torus)[device], harness.reduce_sum_reference(x))
 
 
 @hypothesis.settings(max_examples=8)

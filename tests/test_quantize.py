@@ -12,8 +12,8 @@ import pytest
 
 from jaxcomp import quantize
 from jaxcomp import training
-import harness
 from jaxcomp import wire
+import harness
 
 # 38 elements: the packed signs end with a partly filled byte.
 PARAMS = {"w": jnp.zeros((5, 7)), "b": jnp.zeros((3,))}
@@ -24,8 +24,6 @@ FACTORIES = {
     "plain": lambda axis: quantize.signsgd(axis, error_feedback=False),
 }
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
-
-
 
 
 def _per_device_normal(seed, devices=8):

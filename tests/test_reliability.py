@@ -331,7 +331,7 @@ BAD_ARGUMENTS = {
     "cast to float64": (lambda: jaxcomp.cast(jnp.float64, "data"), TypeError,
                         r"`dtype` must be a 16- or 32-bit floating dtype"),
     "seed out of range": (lambda: jaxcomp.randomk(0.1, "data", seed=-1), ValueError,
-                          r"`seed` must be in \[0, 4294967296\)"),
+                          r"`seed` must be in \[0, 2\*\*32\)"),
     "levels out of range": (lambda: jaxcomp.qsgd(128, "data"), ValueError,
                             r"`levels` must be in \[1, 127\]"),
     "flag not a bool": (lambda: jaxcomp.signsgd("data", majority_vote="yes"), TypeError,

@@ -1,4 +1,7 @@
-"""topk, gtopk, randomk and the local selections, on 8 fake CPU devices."""
+"""topk, gtopk and randomk on 8 fake CPU devices, against the numpy oracles of tests/harness.py.
+
+The local selections they use are tested in tests/test_selection.py.
+"""
 
 from fractions import Fraction
 import math
@@ -13,14 +16,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcomp import collectives
 from jaxcomp import dense
+from jaxcomp import selection
 from jaxcomp import sparsify
 from jaxcomp import training
-import harness
 from jaxcomp import wire
+import harness
 
-EMPTY = collectives.EMPTY_INDEX
 SHAPES = {"w": (16, 12), "b": (12,), "c": (3, 4, 5)}  # n = 264
 N = 264
 
@@ -87,18 +89,18 @@ def test_randomk_torus_bytes_equal_formula():
   params = params_like()
   state = training.init_state(tx, params, mesh, ("x", "y"))
   step = sharded_update(tx, mesh, axis=("x", "y"))
-  grads = device_grads(8)
+  grads = jax.tree.map(lambda g: jnp.round(g * 64) / 64, device_grads(8))  # exact sums
   got = wire.collective_bytes(step.lower(grads, state).compile())
   want = wire.expected_bytes(tx, params, (2, 4))
   assert got.by_kind == want.by_kind
   assert "reduce-scatter" in got.by_kind
   out, _ = step(grads, state)
   harness.assert_same_on_devices(out)
-  indices = np.asarray(sparsify.random_indices(
-      jax.random.split(jax.random.key(1))[1], N, math.ceil(0.25 * N)))
+  (draw,), _ = harness.step_draw_keys(1, 1)
+  indices = harness.random_indices_reference(draw, N, math.ceil(0.25 * N))
   want_mean = np.zeros(N, np.float32)
-  want_mean[indices] = np.stack([harness.flat(grads, d) for d in range(8)]).mean(0)[indices]
-  np.testing.assert_allclose(harness.flat(out, 0), want_mean, rtol=1e-5, atol=1e-6)
+  want_mean[indices] = harness.mean_reference([harness.flat(grads, d)[indices] for d in range(8)])
+  harness.assert_bitwise_equal(harness.flat(out, 0), want_mean)
 
 
 @pytest.mark.parametrize("num", [2, 4, 8])
@@ -129,18 +131,22 @@ def test_full_density_equals_allreduce(name, mesh8):
 
 
 def topk_oracle(grads_by_device, residuals, k):
-  """numpy: (mean, new residuals) of one topk step with error feedback."""
+  """numpy: (mean, new residuals) of one topk step with error feedback.
+
+  Each device sends its top-k of ``c = g + e`` divided by ``P``; the mean is
+  the all-gathered pairs scatter-added in device order.
+  """
   num = len(grads_by_device)
-  mean = np.zeros_like(grads_by_device[0])
-  new = []
+  blocks, new = [], []
   for g, e in zip(grads_by_device, residuals):
     c = g + e
     idx = harness.np_topk(c, k)
-    mean[idx] += c[idx]
+    blocks.append((harness.prescale(c[idx], num), idx))
     r = c.copy()
     r[idx] = 0
     new.append(r)
-  return mean / num, new
+  values, indices = harness.sparse_allgather_reference(*zip(*blocks))
+  return harness.densify_reference(values, indices, len(grads_by_device[0])), new
 
 
 def test_topk_matches_numpy_over_two_steps(mesh8):
@@ -153,7 +159,8 @@ def test_topk_matches_numpy_over_two_steps(mesh8):
     grads = device_grads(8, seed=seed)
     out, state = step(grads, state)
     mean, residuals = topk_oracle([harness.flat(grads, d) for d in range(8)], residuals, k)
-    np.testing.assert_allclose(harness.flat(out, 0), mean, rtol=1e-6, atol=1e-7)
+    harness.assert_same_on_devices(out)
+    harness.assert_bitwise_equal(harness.flat(out, 0), mean)
     for d in range(8):
       # Mass conservation, bit for bit: the residual is c where not sent, 0 where sent.
       np.testing.assert_array_equal(harness.flat(state.residual, d), residuals[d])
@@ -167,30 +174,7 @@ def test_topk_without_error_feedback_keeps_no_residual(mesh8):
   grads = device_grads(8, seed=2)
   out, _ = sharded_update(tx, mesh8)(grads, state)
   mean, _ = topk_oracle([harness.flat(grads, d) for d in range(8)], [0.0] * 8, k)
-  np.testing.assert_allclose(harness.flat(out, 0), mean, rtol=1e-6, atol=1e-7)
-
-
-def merge_np(a, b, k):
-  """The spec of merge_topk: sum of two sparse dicts, k largest |v| (ties: lower index)."""
-  total = dict(a)
-  for i, v in b.items():
-    total[i] = np.float32(total[i] + v) if i in total else v
-  order = sorted(total, key=lambda i: (-abs(total[i]), i))[:k]
-  return {i: total[i] for i in order}
-
-
-def gtopk_oracle(blocks, k):
-  """The butterfly of gtopk_allreduce over per-device sparse dicts (any P)."""
-  size = len(blocks)
-  power = 1 << (size.bit_length() - 1)
-  blocks = list(blocks)
-  for j in range(size - power):
-    blocks[j] = merge_np(blocks[j], blocks[power + j], k)
-  distance = 1
-  while distance < power:
-    blocks = [merge_np(blocks[i], blocks[i ^ distance], k) for i in range(power)]
-    distance *= 2
-  return blocks[0]
+  harness.assert_bitwise_equal(harness.flat(out, 0), mean)
 
 
 @pytest.mark.parametrize("num", [2, 4, 6, 8])
@@ -202,21 +186,21 @@ def test_gtopk_matches_butterfly_oracle(num):
   grads = device_grads(num, seed=num)
   out, new = sharded_update(tx, mesh)(grads, state)
   harness.assert_same_on_devices(out)
-  local = []
+  blocks, local = [], []
   for d in range(num):
     c = harness.flat(grads, d)
     idx = harness.np_topk(c, k)
-    local.append({int(i): c[i] for i in idx})
-  merged = gtopk_oracle(local, k)
-  want = np.zeros(N, np.float32)
-  for i, v in merged.items():
-    want[i] = v / num
-  np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-6, atol=1e-7)
+    blocks.append((harness.prescale(c[idx], num), idx.astype(np.int32)))
+    local.append(set(idx.tolist()))
+  values, indices = harness.gtopk_allreduce_reference(blocks, k)
+  want = harness.densify_reference(values, indices, N)
+  harness.assert_bitwise_equal(harness.flat(out, 0), want)
+  merged = set(indices.tolist())
   for d in range(num):
     # Put-back: selected locally and globally -> 0; everything else stays.
     c = harness.flat(grads, d)
     expect = c.copy()
-    expect[[i for i in local[d] if i in merged]] = 0
+    expect[sorted(local[d] & merged)] = 0
     np.testing.assert_array_equal(harness.flat(new.residual, d), expect)
 
 
@@ -225,19 +209,20 @@ def test_randomk_matches_numpy_and_splits_key(mesh8):
   k = math.ceil(0.1 * N)
   step = sharded_update(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
-  key = jax.random.key(7)
   residuals = [np.zeros(N, np.float32)] * 8
   chosen = []
   for seed in (0, 1):
-    key, draw = jax.random.split(key)
-    idx = np.asarray(sparsify.random_indices(draw, N, k))
+    draws, key = harness.step_draw_keys(7, seed + 1)
+    idx = harness.random_indices_reference(draws[-1], N, k)
     chosen.append(set(idx.tolist()))
-    grads = device_grads(8, seed=seed)
+    # On a grid of 1/64 every partial sum is exact: the mean is the oracle's bit for bit.
+    grads = jax.tree.map(lambda g: jnp.round(g * 64) / 64, device_grads(8, seed=seed))
     out, state = step(grads, state)
     corrected = [harness.flat(grads, d) + residuals[d] for d in range(8)]
     want = np.zeros(N, np.float32)
-    want[idx] = np.mean([c[idx] for c in corrected], axis=0)
-    np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-6, atol=1e-7)
+    want[idx] = harness.mean_reference([c[idx] for c in corrected])
+    harness.assert_same_on_devices(out)
+    harness.assert_bitwise_equal(harness.flat(out, 0), want)
     residuals = []
     for c in corrected:
       r = c.copy()
@@ -308,79 +293,7 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
   np.testing.assert_allclose(harness.flat(total, 0), want, rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------ selection
-
-
-def test_select_topk_masks_to_k():
-  x = jnp.asarray(np.random.default_rng(0).normal(size=500).astype(np.float32))
-  values, indices = jax.jit(lambda x, k: sparsify.select_topk(x, 20, k))(x, 12)
-  want = harness.np_topk(np.asarray(x), 12)
-  np.testing.assert_array_equal(np.asarray(indices[:12]), want)
-  np.testing.assert_array_equal(np.asarray(values[:12]), np.asarray(x)[want])
-  assert np.all(np.asarray(indices[12:]) == EMPTY) and not np.any(np.asarray(values[12:]))
-
-
-@pytest.mark.parametrize("n", [31, 32, 1000, 4099])
-def test_compact_matches_nonzero(n):
-  x = np.random.default_rng(n).normal(size=n).astype(np.float32)
-  threshold = np.float32(1.0)
-  bits = jax.lax.bitcast_convert_type(jnp.float32(threshold), jnp.int32)
-  capacity = max(1, n // 4)
-  index, total = jax.jit(sparsify._compact, static_argnums=2)(jnp.asarray(x), bits, capacity)
-  want = np.nonzero(np.abs(x) >= threshold)[0]
-  assert int(total) == len(want)
-  got = np.asarray(index)
-  np.testing.assert_array_equal(got[:min(capacity, len(want))], want[:capacity])
-  assert np.all(got[len(want):] == EMPTY)
-
-
-def test_kth_largest_bits_matches_sort():
-  x = np.abs(np.random.default_rng(1).normal(size=3000)).astype(np.float32)
-  bits = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)
-  for k in (1, 17, 3000):
-    got = jax.lax.bitcast_convert_type(sparsify._kth_largest_bits(bits, k), jnp.float32)
-    assert float(got) == np.sort(x)[-k]
-
-
-@pytest.mark.parametrize("ratio", [0.02, 0.2])
-def test_sampled_topk_is_exact_top_k_when_the_count_fits(ratio):
-  n, k = 65536, 400
-  x = jnp.asarray(np.random.default_rng(3).normal(size=n).astype(np.float32))
-  select = jax.jit(lambda x, key: sparsify.sampled_topk(x, k, k, key, ratio))
-  values, indices = select(x, jax.random.key(0))
-  got = np.sort(np.asarray(indices))
-  np.testing.assert_array_equal(got, np.sort(harness.np_topk(np.asarray(x), k)))
-  np.testing.assert_array_equal(np.asarray(values), np.asarray(x)[np.asarray(indices)])
-
-
-def test_sampled_threshold_candidates_fit_the_capacity():
-  """On Gaussian data the sampled path is taken: k <= count <= 2 k candidates."""
-  n, k = 65536, 400
-  x = np.random.default_rng(4).normal(size=n).astype(np.float32)
-  capacity = sparsify.candidate_capacity(n, k)
-  assert capacity == sparsify.CANDIDATE_FACTOR * k
-  find = jax.jit(lambda x, key: sparsify.threshold_candidates(x, k, key, 0.05, capacity))
-  for seed in range(3):
-    index, total = find(jnp.asarray(x), jax.random.key(seed))
-    assert k <= int(total) <= capacity
-    got = np.asarray(index)[:int(total)]
-    cut = np.abs(x[got]).min()
-    np.testing.assert_array_equal(got, np.nonzero(np.abs(x) >= cut)[0])
-    assert np.all(np.asarray(index)[int(total):] == EMPTY)
-
-
-def test_sampled_topk_falls_back_when_the_count_is_off():
-  n, k = 4096, 40
-  # Equal magnitudes: everything is above any threshold, far above the capacity.
-  select = jax.jit(lambda x, key, ratio: sparsify.sampled_topk(x, k, k, key, ratio),
-                   static_argnums=2)
-  x = jnp.ones(n).at[100].set(3.0)
-  _, indices = select(x, jax.random.key(0), 0.1)
-  np.testing.assert_array_equal(np.asarray(indices), harness.np_topk(np.asarray(x), k))
-  # A few large entries the sample misses: too few above the threshold.
-  y = jnp.zeros(n).at[jnp.arange(0, 4 * k, 4)].set(jnp.arange(1, k + 1, dtype=jnp.float32))
-  _, indices = select(y, jax.random.key(1), 0.01)
-  np.testing.assert_array_equal(np.sort(np.asarray(indices)), np.arange(0, 4 * k, 4))
+# ------------------------------------------------------------------ random indices
 
 
 def test_random_indices_are_distinct_and_uniform():
@@ -393,6 +306,13 @@ def test_random_indices_are_distinct_and_uniform():
   assert counts.min() > 320 and counts.max() < 480  # 400 expected, sd 18
   every = sparsify.random_indices(jax.random.key(0), 7, 7)
   np.testing.assert_array_equal(np.asarray(every), np.arange(7))
+
+
+def test_random_indices_are_the_largest_draws():
+  """The documented rule, rebuilt from the draws: the k largest of n uniform draws."""
+  for key in jax.random.split(jax.random.key(4), 5):
+    got = np.asarray(jax.jit(sparsify.random_indices, static_argnums=(1, 2))(key, N, 27))
+    harness.assert_bitwise_equal(got, harness.random_indices_reference(key, N, 27))
 
 
 # ------------------------------------------------------------------ arguments
@@ -464,102 +384,26 @@ def test_inside_multisteps(mesh8):
   np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-5, atol=1e-6)
 
 
-# ------------------------------------------------------------ exact selection
-
-
-def _exact_topk(x, capacity, seed=0, ratio=None):
-  select = jax.jit(lambda x, key: sparsify.exact_topk(x, capacity, key, ratio))
-  return select(jnp.asarray(x), jax.random.key(seed))
-
-
-def _assert_same_as_lax_top_k(x, capacity, values, indices):
-  """The set ``lax.top_k`` selects (ties and NaN ordered alike), in index order."""
-  x = np.asarray(x)
-  _, want = jax.lax.top_k(jnp.abs(jnp.asarray(x)), capacity)
-  want = np.sort(np.asarray(want))
-  np.testing.assert_array_equal(np.asarray(indices), want)
-  np.testing.assert_array_equal(np.asarray(values).view(np.uint32), x[want].view(np.uint32))
-
-
-@pytest.mark.parametrize("n,k", [(65536, 400), (300_000, 300), (2**20, 1049)])
-def test_exact_topk_takes_the_sampled_path_and_is_exact(n, k):
-  x = np.random.default_rng(n).normal(size=n).astype(np.float32)
-  candidates = sparsify.candidate_capacity(n, k)
-  ratio = sparsify.exact_sample_ratio(n, k)
-  _, total = sparsify.threshold_candidates(
-      jnp.asarray(x), k, jax.random.key(0), ratio, candidates)
-  assert k <= int(total) <= candidates  # the fast branch, not the fallback
-  values, indices = _exact_topk(x, k)
-  _assert_same_as_lax_top_k(x, k, values, indices)
-
-
-def test_exact_topk_falls_back_and_is_still_exact():
-  n, k = 4096, 40
-  # Equal magnitudes: far more candidates than the buffer holds.
-  x = np.ones(n, np.float32)
-  x[[7, 100, 2000]] = [-3.0, 3.0, 2.0]
-  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.1))
-  # A few large entries the sample misses: fewer candidates than k.
-  y = np.zeros(n, np.float32)
-  y[np.arange(0, 4 * k, 4)] = np.arange(1, k + 1)
-  _assert_same_as_lax_top_k(y, k, *_exact_topk(y, k, seed=1, ratio=0.01))
-
-
-def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
-  n, k = 8192, 64
-  x = np.random.default_rng(5).normal(size=n).astype(np.float32)
-  x[[3, 900]] = np.inf
-  x[[17, 4000]] = -np.inf
-  x[[50, 5000]] = np.nan
-  x[6000] = -np.nan
-  x[[60, 61, 62]] = np.float32(5.0)  # ties at the cut are not the issue here
-  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.05))
-  # Ties at the cut: the lower indices win, as in lax.top_k.
-  z = np.zeros(n, np.float32)
-  z[::3] = 1.0
-  z[[10, 11]] = -2.0
-  _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
-
-
-def test_exact_topk_of_everything_is_every_index():
-  x = np.random.default_rng(6).normal(size=100).astype(np.float32)
-  values, indices = _exact_topk(x, 100)
-  np.testing.assert_array_equal(np.asarray(indices), np.arange(100))
-  np.testing.assert_array_equal(np.asarray(values), x)
-
-
-@hypothesis.settings(max_examples=25, deadline=None)
-@hypothesis.given(
-    n=st.integers(64, 6000),
-    density=st.sampled_from([0.001, 0.01, 0.1, 0.5]),
-    levels=st.sampled_from([3, 50, None]),
-    seed=st.integers(0, 2**16),
-    ratio=st.sampled_from([0.01, 0.1, 0.5]),
-)
-def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
-  """Any data (few distinct magnitudes: many ties), any sample: the set of lax.top_k."""
-  rng = np.random.default_rng(seed)
-  if levels is None:
-    x = rng.normal(size=n).astype(np.float32)
-  else:
-    x = (rng.integers(-levels, levels + 1, size=n) / levels).astype(np.float32)
-  k = max(1, math.ceil(density * n))
-  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, seed=seed, ratio=ratio))
+# ------------------------------------------------------------ the selection route
 
 
 def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
-  """topk and gtopk through exact_topk agree bit for bit with the lax.top_k path."""
+  """topk, gtopk and randomk through exact_topk agree bit for bit with the lax.top_k path."""
   n = 20_000
-  grads = device_grads(8, seed=2, shapes={"g": (n,)})
+  grads = [device_grads(8, seed=s, shapes={"g": (n,)}) for s in (2, 3)]
   for name in ("topk", "gtopk", "randomk"):
-    results = []
-    for fast_min in (n, n + 1):  # exact_topk, then lax.top_k
-      monkeypatch.setattr(sparsify, "EXACT_FAST_MIN", fast_min)
+    results, programs = [], []
+    for exact_min_size in (n, n + 1):  # exact_topk, then lax.top_k
+      monkeypatch.setattr(selection, "tuning_for",
+                          lambda backend=None, size=exact_min_size: selection.Tuning(
+                              exact_min_size=size))
       tx = COMPRESSORS[name](0.01, "data")
       state = training.stack_per_device(tx.init({"g": jnp.zeros(n)}), mesh8, "data")
       step = sharded_update(tx, mesh8)
-      out, new = step(grads, state)
-      out, new = step(device_grads(8, seed=3, shapes={"g": (n,)}), new)
-      results.append(jax.tree.leaves((out, new)))
+      programs.append(step.lower(grads[0], state).as_text())
+      for g in grads:
+        out, state = jax.block_until_ready(step(g, state))
+      results.append(jax.tree.leaves((out, state)))
+    assert programs[0] != programs[1]  # two routes were compiled
     for a, b in zip(*results):
-      np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+      harness.assert_bitwise_equal(a, b)

@@ -65,7 +65,9 @@ def test_twenty_steps_on_eight_devices_match_one_device_full_batch():
   dp_state = training.init_state(tx, params, mesh, "data")
   step = training.make_step(loss_fn, tx, mesh, "data")
   for b in batches:
-    dp_params, dp_state, metrics = step(dp_params, dp_state, training.shard(b, mesh, "data"))
+    # Blocked on every step: queued steps would pile up in the collectives.
+    dp_params, dp_state, metrics = jax.block_until_ready(
+        step(dp_params, dp_state, training.shard(b, mesh, "data")))
   assert metrics["loss"].shape == (8,)
   chex.assert_trees_all_close(dp_params, ref_params, rtol=1e-5, atol=1e-5)
 
@@ -84,9 +86,9 @@ def test_pmap_step_matches_shard_map_step():
   s_pm = training.init_state(tx, params, mesh, "data")
   pstep = training.make_pmap_step(loss_fn, tx, "data")
   for b in batches:
-    p_sm, s_sm, _ = step(p_sm, s_sm, training.shard(b, mesh, "data"))
+    p_sm, s_sm, _ = jax.block_until_ready(step(p_sm, s_sm, training.shard(b, mesh, "data")))
     local = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), b)
-    p_pm, s_pm, _ = pstep(p_pm, s_pm, local)
+    p_pm, s_pm, _ = jax.block_until_ready(pstep(p_pm, s_pm, local))
   chex.assert_trees_all_close(
       jax.tree.map(lambda x: x[3], p_pm), p_sm, rtol=1e-6, atol=1e-6)
 
@@ -111,3 +113,31 @@ def test_make_mesh_checks_its_arguments():
     training.make_mesh(16)
   with pytest.raises(ValueError, match="differ in length"):
     training.make_mesh((2, 4), ("data",))
+
+
+def test_steps_refuse_a_state_without_the_device_axis():
+  """``tx.init(params)`` is one device's state: the steps name ``init_state`` instead."""
+  params, loss_fn = _model_and_loss()
+  mesh = training.make_mesh(8)
+  tx = optax.chain(jaxcomp.topk(0.1, "data"), optax.sgd(0.1))
+  step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
+  batch = training.shard(_batches(1)[0], mesh, "data")
+  with pytest.raises(ValueError, match="leading device axis of 8.*init_state"):
+    step(training.replicate(params, mesh), tx.init(params), batch)
+  update = training.make_update(tx, mesh, "data")
+  grads = jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), params)
+  with pytest.raises(ValueError, match="leading device axis of 8.*init_state"):
+    update(grads, tx.init(params))
+  updates, _ = update(grads, training.init_state(tx, params, mesh, "data"))
+  assert not any(np.asarray(x).any() for x in jax.tree.leaves(updates))
+
+
+def test_init_state_refuses_momentum_after_dgc():
+  params, _ = _model_and_loss()
+  mesh = training.make_mesh(8)
+  with pytest.raises(ValueError, match="`dgc` is followed by an optimizer with TraceState"):
+    training.init_state(optax.chain(jaxcomp.dgc(0.1, "data"), optax.sgd(0.1, momentum=0.9)),
+                        params, mesh, "data")
+  state = training.init_state(optax.chain(jaxcomp.dgc(0.1, "data"), optax.sgd(0.1)),
+                              params, mesh, "data")
+  assert state[0].count.shape == (8,)

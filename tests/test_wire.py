@@ -105,3 +105,72 @@ def test_expected_bytes_for_a_pair_needs_the_mesh_shape():
   assert wire.expected_bytes(tx, {"w": jnp.ones(8)}, (2, 4)).total == (
       wire.expected_bytes(tx, {"w": jnp.ones(8)}, {"x": 2, "y": 4}).total
   )
+
+
+# ------------------------------------------------------------------ compressors in a chain
+
+PARAMS = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,)), "c": jnp.zeros((3, 4, 5))}  # n = 264
+
+
+def _compiled_bytes(tx, params, num_devices=8):
+  """The bytes of one compiled ``tx.update`` step on a ring, per device."""
+  mesh = training.make_mesh(num_devices)
+  state = training.init_state(tx, params, mesh, "data")
+  grads = jax.tree.map(lambda x: jnp.ones((num_devices,) + x.shape), params)
+  return wire.collective_bytes(training.make_update(tx, mesh, "data").lower(grads, state).compile())
+
+
+def test_expected_bytes_finds_the_compressor_in_a_chain():
+  """The formula of the compressor inside ``optax.chain``: what the chain's program sends."""
+  k = 14  # ceil(0.05 * 264)
+  alone = wire.expected_bytes(jaxcomp.gtopk(0.05, "data"), PARAMS, 8)
+  assert alone.by_kind == {"collective-permute": 3 * 8 * k}
+  chained = optax.chain(jaxcomp.gtopk(0.05, "data"), optax.sgd(0.1, momentum=0.9))
+  assert wire.expected_bytes(chained, PARAMS, 8).by_kind == alone.by_kind
+  assert _compiled_bytes(chained, PARAMS).by_kind == alone.by_kind
+
+
+def test_expected_bytes_finds_the_compressor_in_multisteps():
+  tx = optax.MultiSteps(optax.chain(jaxcomp.gtopk(0.05, "data"), optax.sgd(0.1)),
+                        every_k_schedule=2)
+  alone = wire.expected_bytes(jaxcomp.gtopk(0.05, "data"), PARAMS, 8)
+  assert wire.expected_bytes(tx, PARAMS, 8).by_kind == alone.by_kind
+  assert _compiled_bytes(tx, PARAMS).by_kind == alone.by_kind
+
+
+def test_expected_bytes_finds_the_compressor_in_multisteps_gradient_transformation():
+  inner = optax.chain(jaxcomp.gtopk(0.05, "data"), optax.sgd(0.1))
+  tx = optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
+  alone = wire.expected_bytes(jaxcomp.gtopk(0.05, "data"), PARAMS, 8)
+  assert wire.expected_bytes(tx, PARAMS, 8).by_kind == alone.by_kind
+
+
+def test_expected_bytes_adds_every_compressor_of_a_chain():
+  """Two compressors in one chain: both formulas count (the search finds each once)."""
+  tx = optax.chain(jaxcomp.topk(0.05, "data"), jaxcomp.allreduce("data"))
+  want = (wire.expected_bytes(jaxcomp.topk(0.05, "data"), PARAMS, 8).total
+          + wire.expected_bytes(jaxcomp.allreduce("data"), PARAMS, 8).total)
+  assert wire.expected_bytes(tx, PARAMS, 8).total == want
+  assert _compiled_bytes(tx, PARAMS).by_kind == wire.expected_bytes(tx, PARAMS, 8).by_kind
+
+
+def test_expected_bytes_of_a_plain_optimizer_is_a_type_error():
+  for tx in (optax.sgd(0.1), optax.chain(optax.clip(1.0), optax.adamw(1e-3)),
+             optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)):
+    with pytest.raises(TypeError, match="`tx` must be a jaxcomp compressor"):
+      wire.expected_bytes(tx, PARAMS, 8)
+
+
+def test_acpsgd_branches_are_reported_by_branch():
+  """Branch 0 the P step, branch 1 the Q step: one all-reduce each, half the steps each."""
+  params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}
+  rank = 2
+  tx = jaxcomp.acpsgd(rank, "data")
+  sent = _compiled_bytes(tx, params)
+  want = wire.expected_bytes(tx, params, 8)
+  p_step = Fraction(2 * 7 * 4 * (rank * 16 + 12), 8)  # P factor and the dense bias
+  q_step = Fraction(2 * 7 * 4 * (rank * 12 + 12), 8)  # Q factor and the dense bias
+  assert want.by_branch == {0: p_step, 1: q_step}
+  assert sent.by_branch == want.by_branch
+  assert sent.by_kind == want.by_kind == {"all-reduce": (p_step + q_step) / 2}
+  assert [(op.branch, op.weight) for op in sent.ops] == [(0, Fraction(1, 2)), (1, Fraction(1, 2))]

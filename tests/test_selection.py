@@ -1,0 +1,254 @@
+"""The local selections of jaxcomp.selection against numpy and ``lax.top_k``."""
+
+import math
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import collectives
+from jaxcomp import selection
+import harness
+
+EMPTY = collectives.EMPTY_INDEX
+
+
+def _normal(n, seed):
+  return np.random.default_rng(seed).normal(size=n).astype(np.float32)
+
+
+def _assert_same_as_lax_top_k(x, capacity, values, indices):
+  """The set ``lax.top_k`` selects (ties and NaN ordered alike), in index order."""
+  x = np.asarray(x)
+  _, want = jax.lax.top_k(jnp.abs(jnp.asarray(x)), capacity)
+  want = np.sort(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(indices), want)
+  harness.assert_bitwise_equal(values, x[want])
+
+
+# ------------------------------------------------------------------ tuning
+
+
+def test_backend_defaults_are_the_documented_ones():
+  """On CPU exact_topk from 4M entries on; never on GPU or TPU."""
+  assert selection.tuning_for("cpu").exact_min_size == 1 << 22
+  for backend in ("gpu", "cuda", "rocm", "tpu"):
+    assert selection.tuning_for(backend).exact_min_size is None
+  assert selection.tuning_for() == selection.tuning_for(jax.default_backend())
+  assert selection.tuning_for("an-unknown-backend") == selection.Tuning()
+
+
+def test_sizes_follow_the_tuning():
+  assert selection.sample_size(1000, 0.01) == 10
+  assert selection.sample_size(1001, 0.01) == 11
+  assert selection.sample_size(10, 0.01) == 1
+  assert selection.candidate_capacity(1000, 100) == 2 * 100
+  assert selection.candidate_capacity(150, 100) == 150
+  assert selection.candidate_capacity(1000, 100, selection.Tuning(candidate_factor=3)) == 300
+  # max(exact_sample_ratio, exact_sample_above / capacity), at most exact_sample_max.
+  assert selection.exact_sample_ratio(10**6, 100_000) == 0.01
+  assert selection.exact_sample_ratio(10**6, 10_000) == 256 / 10_000
+  assert selection.exact_sample_ratio(10**6, 1000) == 0.25
+  assert selection.exact_sample_ratio(
+      10**6, 10_000, selection.Tuning(exact_sample_above=1000)) == 0.1
+
+
+@pytest.mark.parametrize("n", [4095, 4096, 4097])
+def test_topk_is_the_set_of_lax_top_k_below_and_above_exact_min_size(n):
+  """Below the size: lax.top_k itself (largest first); from it on: exact_topk (index order)."""
+  k = 40
+  tuning = selection.Tuning(exact_min_size=4096)
+  x = _normal(n, n)
+  values, indices = jax.jit(lambda x: selection.topk(x, k, tuning))(jnp.asarray(x))
+  want = harness.np_topk(x, k)
+  if n >= tuning.exact_min_size:
+    np.testing.assert_array_equal(np.asarray(indices), np.sort(want))
+  else:
+    np.testing.assert_array_equal(np.asarray(indices), want)
+  _assert_same_as_lax_top_k(x, k, np.asarray(values)[np.argsort(indices)], np.sort(indices))
+
+
+def test_topk_never_takes_the_sampled_route_without_a_size():
+  k = 40
+  x = _normal(5000, 1)
+  tuning = selection.Tuning(exact_min_size=None)
+  _, indices = jax.jit(lambda x: selection.topk(x, k, tuning))(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(indices), harness.np_topk(x, k))
+
+
+def test_topk_reads_the_backend_tuning_by_default(monkeypatch):
+  k = 40
+  x = _normal(5000, 2)
+  monkeypatch.setattr(selection, "tuning_for",
+                      lambda backend=None: selection.Tuning(exact_min_size=5000))
+  _, indices = jax.jit(lambda x: selection.topk(x, k))(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(indices), np.sort(harness.np_topk(x, k)))
+
+
+# ------------------------------------------------------------------ select_topk
+
+
+def test_select_topk_masks_to_k():
+  x = jnp.asarray(_normal(500, 0))
+  values, indices = jax.jit(lambda x, k: selection.select_topk(x, 20, k))(x, 12)
+  want = harness.np_topk(np.asarray(x), 12)
+  np.testing.assert_array_equal(np.asarray(indices[:12]), want)
+  harness.assert_bitwise_equal(values[:12], np.asarray(x)[want])
+  assert np.all(np.asarray(indices[12:]) == EMPTY) and not np.any(np.asarray(values[12:]))
+
+
+# ------------------------------------------------------------------ the sampled threshold
+
+
+@pytest.mark.parametrize("n", [31, 32, 1000, 4099])
+def test_compact_matches_nonzero(n):
+  x = _normal(n, n)
+  threshold = np.float32(1.0)
+  bits = jax.lax.bitcast_convert_type(jnp.float32(threshold), jnp.int32)
+  capacity = max(1, n // 4)
+  index, total = jax.jit(selection._compact, static_argnums=2)(jnp.asarray(x), bits, capacity)
+  want = np.nonzero(np.abs(x) >= threshold)[0]
+  assert int(total) == len(want)
+  got = np.asarray(index)
+  np.testing.assert_array_equal(got[:min(capacity, len(want))], want[:capacity])
+  assert np.all(got[len(want):] == EMPTY)
+
+
+def test_kth_largest_bits_matches_sort():
+  x = np.abs(_normal(3000, 1))
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)
+  for k in (1, 17, 3000):
+    got = jax.lax.bitcast_convert_type(selection._kth_largest_bits(bits, k), jnp.float32)
+    assert float(got) == np.sort(x)[-k]
+
+
+@pytest.mark.parametrize("ratio", [0.02, 0.2])
+def test_sampled_topk_is_exact_top_k_when_the_count_fits(ratio):
+  n, k = 65536, 400
+  x = _normal(n, 3)
+  select = jax.jit(lambda x, key: selection.sampled_topk(x, k, k, key, ratio))
+  values, indices = select(jnp.asarray(x), jax.random.key(0))
+  np.testing.assert_array_equal(np.sort(np.asarray(indices)), np.sort(harness.np_topk(x, k)))
+  harness.assert_bitwise_equal(values, x[np.asarray(indices)])
+
+
+def test_sampled_threshold_candidates_fit_the_capacity():
+  """On Gaussian data the sampled path is taken: k <= count <= 2 k candidates."""
+  n, k = 65536, 400
+  x = _normal(n, 4)
+  capacity = selection.candidate_capacity(n, k)
+  assert capacity == selection.Tuning().candidate_factor * k
+  find = jax.jit(lambda x, key: selection.threshold_candidates(x, k, key, 0.05, capacity))
+  for seed in range(3):
+    index, total = find(jnp.asarray(x), jax.random.key(seed))
+    assert k <= int(total) <= capacity
+    got = np.asarray(index)[:int(total)]
+    cut = np.abs(x[got]).min()
+    np.testing.assert_array_equal(got, np.nonzero(np.abs(x) >= cut)[0])
+    assert np.all(np.asarray(index)[int(total):] == EMPTY)
+
+
+def test_sampled_topk_falls_back_when_the_count_is_off():
+  n, k = 4096, 40
+  # Equal magnitudes: everything is above any threshold, far above the capacity.
+  select = jax.jit(lambda x, key, ratio: selection.sampled_topk(x, k, k, key, ratio),
+                   static_argnums=2)
+  x = jnp.ones(n).at[100].set(3.0)
+  _, indices = select(x, jax.random.key(0), 0.1)
+  np.testing.assert_array_equal(np.asarray(indices), harness.np_topk(np.asarray(x), k))
+  # A few large entries the sample misses: too few above the threshold.
+  y = jnp.zeros(n).at[jnp.arange(0, 4 * k, 4)].set(jnp.arange(1, k + 1, dtype=jnp.float32))
+  _, indices = select(y, jax.random.key(1), 0.01)
+  np.testing.assert_array_equal(np.sort(np.asarray(indices)), np.arange(0, 4 * k, 4))
+
+
+def test_sampled_topk_reads_its_tuning():
+  """A candidate buffer too small for the count above the threshold: the exact fallback."""
+  n, k = 65536, 400
+  x = _normal(n, 3)
+  narrow = selection.Tuning(candidate_factor=1, oversample=4.0)
+  _, total = selection.threshold_candidates(
+      jnp.asarray(x), k, jax.random.key(0), 0.05, selection.candidate_capacity(n, k, narrow),
+      narrow)
+  assert int(total) > selection.candidate_capacity(n, k, narrow)
+  select = jax.jit(lambda x, key: selection.sampled_topk(x, k, k, key, 0.05, narrow))
+  _, indices = select(jnp.asarray(x), jax.random.key(0))
+  # lax.top_k's order (largest first), not the candidates' (increasing index).
+  np.testing.assert_array_equal(np.asarray(indices), harness.np_topk(x, k))
+
+
+# ------------------------------------------------------------------ exact_topk
+
+
+def _exact_topk(x, capacity, seed=0, ratio=None):
+  select = jax.jit(lambda x, key: selection.exact_topk(x, capacity, key, ratio))
+  return select(jnp.asarray(x), jax.random.key(seed))
+
+
+@pytest.mark.parametrize("n,k", [(65536, 400), (300_000, 300), (2**20, 1049)])
+def test_exact_topk_takes_the_sampled_path_and_is_exact(n, k):
+  x = _normal(n, n)
+  candidates = selection.candidate_capacity(n, k)
+  ratio = selection.exact_sample_ratio(n, k)
+  _, total = selection.threshold_candidates(
+      jnp.asarray(x), k, jax.random.key(0), ratio, candidates)
+  assert k <= int(total) <= candidates  # the fast branch, not the fallback
+  values, indices = _exact_topk(x, k)
+  _assert_same_as_lax_top_k(x, k, values, indices)
+
+
+def test_exact_topk_falls_back_and_is_still_exact():
+  n, k = 4096, 40
+  # Equal magnitudes: far more candidates than the buffer holds.
+  x = np.ones(n, np.float32)
+  x[[7, 100, 2000]] = [-3.0, 3.0, 2.0]
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.1))
+  # A few large entries the sample misses: fewer candidates than k.
+  y = np.zeros(n, np.float32)
+  y[np.arange(0, 4 * k, 4)] = np.arange(1, k + 1)
+  _assert_same_as_lax_top_k(y, k, *_exact_topk(y, k, seed=1, ratio=0.01))
+
+
+def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
+  n, k = 8192, 64
+  x = _normal(n, 5)
+  x[[3, 900]] = np.inf
+  x[[17, 4000]] = -np.inf
+  x[[50, 5000]] = np.nan
+  x[6000] = -np.nan
+  x[[60, 61, 62]] = np.float32(5.0)  # ties at the cut are not the issue here
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, ratio=0.05))
+  # Ties at the cut: the lower indices win, as in lax.top_k.
+  z = np.zeros(n, np.float32)
+  z[::3] = 1.0
+  z[[10, 11]] = -2.0
+  _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
+
+
+def test_exact_topk_of_everything_is_every_index():
+  x = _normal(100, 6)
+  values, indices = jax.jit(lambda x: selection.exact_topk(x, 100))(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(indices), np.arange(100))
+  harness.assert_bitwise_equal(values, x)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    n=st.integers(64, 6000),
+    density=st.sampled_from([0.001, 0.01, 0.1, 0.5]),
+    levels=st.sampled_from([3, 50, None]),
+    seed=st.integers(0, 2**16),
+    ratio=st.sampled_from([0.01, 0.1, 0.5]),
+)
+def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
+  """Any data (few distinct magnitudes: many ties), any sample: the set of lax.top_k."""
+  rng = np.random.default_rng(seed)
+  if levels is None:
+    x = rng.normal(size=n).astype(np.float32)
+  else:
+    x = (rng.integers(-levels, levels + 1, size=n) / levels).astype(np.float32)
+  k = max(1, math.ceil(density * n))
+  _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, seed=seed, ratio=ratio))
