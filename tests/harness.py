@@ -57,6 +57,17 @@ def run_two_steps(make_tx, params, mesh_shape, axis_names):
               grads=grads, states=states, outs=outs)
 
 
+def two_step_runs(factories, params, meshes):
+  """``run(name, mesh_name)``: :func:`run_two_steps` of ``factories[name]``, each case compiled once."""
+
+  @functools.lru_cache(maxsize=None)
+  def run(name, mesh_name):
+    shape, names = meshes[mesh_name]
+    return run_two_steps(factories[name], params, shape, names)
+
+  return run
+
+
 def flat(tree, device=None):
   """numpy f32 vector of a tree's leaves in ``jax.tree.leaves`` order."""
   leaves = jax.tree.leaves(tree)

@@ -26,15 +26,8 @@ FACTORIES = {
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
 
 
-def _per_device_normal(seed, devices=8):
-  return harness.per_device_normal(PARAMS, seed, devices)
-
-
-@functools.lru_cache(maxsize=None)
-def _run(name, mesh_name):
-  """Two steps of a compressor; everything the tests read, compiled once."""
-  shape, names = MESHES[mesh_name]
-  return harness.run_two_steps(FACTORIES[name], PARAMS, shape, names)
+_per_device_normal = functools.partial(harness.per_device_normal, PARAMS)
+_run = harness.two_step_runs(FACTORIES, PARAMS, MESHES)
 
 
 def _flat(tree):
