@@ -33,7 +33,7 @@ def per_device_normal(params, seed, devices=8):
   ])
 
 
-def step_fn(tx, mesh, axis, max_traces=None):
+def step_fn(tx, mesh, axis="data", max_traces=None):
   """jit(shard_map(update)) over stacked per-device gradients and state."""
   wrap = None if max_traces is None else (lambda f: chex.assert_max_traces(f, n=max_traces))
   return training.make_update(tx, mesh, axis, wrap=wrap)

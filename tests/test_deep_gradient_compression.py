@@ -25,16 +25,7 @@ def params_like():
 
 
 def device_grads(num, seed=0, scale=1.0):
-  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
-  return {
-      name: scale * jax.random.normal(key, (num,) + shape)
-      for key, (name, shape) in zip(keys, sorted(SHAPES.items()))
-  }
-
-
-def sharded_update(tx, mesh, axis="data", wrap=None):
-  """jit(shard_map) of ``tx.update`` over stacked grads and states."""
-  return training.make_update(tx, mesh, axis, wrap=wrap)
+  return jax.tree.map(lambda g: scale * g, harness.per_device_normal(params_like(), seed, num))
 
 
 def dgc_oracle(grads, state, *, k, m, nesterov=False, clip=None):
@@ -102,7 +93,7 @@ def test_compiled_bytes_equal_formula(sparse_leaves, num):
   tx = dgc.dgc(0.05, "data", sample_ratio=0.5, sparse_leaves=sparse_leaves)
   params = params_like()
   state = training.init_state(tx, params, mesh, "data")
-  compiled = sharded_update(tx, mesh).lower(device_grads(num), state).compile()
+  compiled = harness.step_fn(tx, mesh).lower(device_grads(num), state).compile()
   got = wire.collective_bytes(compiled)
   want = wire.expected_bytes(tx, params, num)
   assert got.by_kind == want.by_kind
@@ -135,7 +126,7 @@ def test_warmup_bytes_per_branch_equal_the_formula(mesh_shape, names):
   tx = dgc.dgc(0.02, axis, warmup_steps=8, sample_ratio=0.5)
   params = params_like()
   state = training.init_state(tx, params, mesh, axis)
-  step = sharded_update(tx, mesh, axis=axis)
+  step = harness.step_fn(tx, mesh, axis=axis)
   sent = wire.collective_bytes(step.lower(device_grads(8), state).compile())
   out, _ = step(device_grads(8), state)
   harness.assert_same_on_devices(out)
@@ -195,8 +186,8 @@ def test_compression_ratio_on_a_small_cnn():
 def test_full_density_equals_allreduce(mesh8):
   tx = dgc.dgc(1.0, "data", momentum=0.0)
   base_tx = dense.allreduce("data")
-  step = sharded_update(tx, mesh8)
-  base_step = sharded_update(base_tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
+  base_step = harness.step_fn(base_tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   base_state = training.init_state(base_tx, params_like(), mesh8, "data")
   for seed in (0, 1):
@@ -212,7 +203,7 @@ def test_matches_numpy_over_three_steps(nesterov, mesh8):
   k = math.ceil(0.05 * N_SPARSE)
   tx = dgc.dgc(0.05, "data", momentum=0.9, nesterov=nesterov, clip_norm=20.0,
                sample_ratio=1.0)
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   ref = [(np.zeros(264, np.float32), np.zeros(264, np.float32)) for _ in range(8)]
   for seed, scale in ((0, 1.0), (1, 3.0), (2, 0.5)):
@@ -230,7 +221,7 @@ def test_matches_numpy_over_three_steps(nesterov, mesh8):
 def test_momentum_correction_accumulates_velocity(mesh8):
   """With a constant gradient, unsent coordinates hold v = g + (m + 1) g + ..."""
   tx = dgc.dgc(0.01, "data", momentum=0.5, sample_ratio=1.0)
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   grads = device_grads(8, seed=3)
   for _ in range(2):
@@ -253,7 +244,7 @@ def test_masking_zeroes_velocity_and_momentum_where_sent(mesh8):
   tx = dgc.dgc(0.02, "data", momentum=0.9, sample_ratio=1.0)
   state = training.init_state(tx, params_like(), mesh8, "data")
   grads = device_grads(8, seed=4)
-  _, state = sharded_update(tx, mesh8)(grads, state)
+  _, state = harness.step_fn(tx, mesh8)(grads, state)
   for d in (0, 5):
     g = np.concatenate([harness.flat(grads, d)[s] for s in SPARSE.values()])
     e = np.concatenate([harness.flat(state.residual, d)[s] for s in SPARSE.values()])
@@ -272,7 +263,7 @@ def test_clipping_bounds_each_device_norm(mesh8):
                sparse_leaves="all")
   state = training.init_state(tx, params_like(), mesh8, "data")
   grads = device_grads(8, seed=6, scale=100.0)
-  out, state = sharded_update(tx, mesh8)(grads, state)
+  out, state = harness.step_fn(tx, mesh8)(grads, state)
   for d in range(8):
     g = harness.flat(grads, d)
     velocity = harness.flat(state.residual, d)
@@ -313,7 +304,7 @@ def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
   tx = dgc.dgc(0.02, "data", momentum=0.0, warmup_steps=8, sample_ratio=1.0)
   state = training.init_state(tx, params_like(), mesh8, "data")
   chex.clear_trace_counter()
-  step = sharded_update(tx, mesh8, wrap=lambda f: chex.assert_max_traces(f, n=1))
+  step = harness.step_fn(tx, mesh8, "data", max_traces=1)
   sent_counts, out_counts = [], []
   for t in range(10):
     grads = device_grads(8, seed=10 + t)
@@ -340,7 +331,7 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
   params = {"big": jnp.zeros((256, 256))}
   state = training.init_state(tx, params, mesh8, "data")
   grads = {"big": jax.random.normal(jax.random.key(8), (8, 256, 256))}
-  out, state = sharded_update(tx, mesh8)(grads, state)
+  out, state = harness.step_fn(tx, mesh8)(grads, state)
   harness.assert_same_on_devices(out)
   for d in (0, 7):
     g = np.asarray(grads["big"][d]).reshape(-1)
@@ -352,7 +343,7 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
 
 def test_nan_on_one_device_poisons_all_and_keeps_state(mesh8):
   tx = dgc.dgc(0.05, "data", clip_norm=5.0, sample_ratio=0.5)
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   _, state = step(device_grads(8, seed=1), state)
   for leaf in ("b", "w"):

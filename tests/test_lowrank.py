@@ -80,31 +80,15 @@ def _matrix(x):
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", FACTORIES)
-def test_identical_on_every_device(name, mesh_name):
-  run = _run(name, mesh_name)
-  for out in run["outs"]:
-    for leaf in jax.tree.leaves(out):
-      leaf = np.asarray(leaf)
-      assert np.isfinite(leaf).all()
-      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
-  state = run["states"][-1]
+def test_factors_identical_on_every_device(name, mesh_name):
+  """The carried factors agree across devices (the mean's agreement is the contract suite's)."""
+  state = _run(name, mesh_name)["states"][-1]
   for factor in (state.q,) + ((state.p,) if name == "acpsgd" else ()):
     factor = np.asarray(factor)
     np.testing.assert_array_equal(factor, np.broadcast_to(factor[:1], factor.shape))
 
 
 # ---------------------------------------------------------------------- bytes
-
-
-@pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("name", FACTORIES)
-def test_compiled_bytes_equal_formula(name, mesh_name):
-  run = _run(name, mesh_name)
-  shape = MESHES[mesh_name][0]
-  got = wire.collective_bytes(run["compiled"])
-  want = wire.expected_bytes(run["tx"], PARAMS, shape)
-  assert got.by_kind == want.by_kind
-  assert got.by_branch == want.by_branch
 
 
 @pytest.mark.parametrize("devices", [2, 4])

@@ -74,29 +74,13 @@ def test_sign_of_zero_is_plus_one():
   assert int(quantize.pack_signs(x)[0]) == 0b1011
 
 
-# --------------------------------------------------------------------- contract
-
-
-@pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("name", FACTORIES)
-def test_identical_on_every_device(name, mesh_name):
-  for out in _run(name, mesh_name)["outs"]:
-    for leaf in jax.tree.leaves(out):
-      leaf = np.asarray(leaf)
-      assert np.isfinite(leaf).all()
-      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
-
-
 # ------------------------------------------------------------------------ bytes
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", FACTORIES)
-def test_compiled_bytes_equal_formula(name, mesh_name):
-  run = _run(name, mesh_name)
-  shape = MESHES[mesh_name][0]
-  got = wire.collective_bytes(run["compiled"])
-  assert got.by_kind == wire.expected_bytes(run["tx"], PARAMS, shape).by_kind
+def test_one_allgather_of_the_packed_signs_and_the_scale(name, mesh_name):
+  got = wire.collective_bytes(_run(name, mesh_name)["compiled"])
   # One all-gather over the whole mesh of the packed signs and the f32 scale.
   assert [(op.kind, op.group_size, op.buffer_bytes) for op in got.ops] == [
       ("all-gather", 8, 8 * (-(-N // 8) + 4))]

@@ -34,21 +34,12 @@ COMPRESSORS = {
 }
 
 
-def params_like():
-  return {k: jnp.zeros(s) for k, s in SHAPES.items()}
+def params_like(shapes=SHAPES):
+  return {k: jnp.zeros(s) for k, s in shapes.items()}
 
 
 def device_grads(num, seed=0, shapes=SHAPES):
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return {
-      name: jax.random.normal(key, (num,) + shape)
-      for key, (name, shape) in zip(keys, sorted(shapes.items()))
-  }
-
-
-def sharded_update(tx, mesh, axis="data", wrap=None):
-  """jit(shard_map) of ``tx.update`` over stacked grads and states."""
-  return training.make_update(tx, mesh, axis, wrap=wrap)
+  return harness.per_device_normal(params_like(shapes), seed, num)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +67,7 @@ def test_compiled_bytes_equal_formula(name, num):
   tx = COMPRESSORS[name](0.05, "data")
   params = params_like()
   state = training.init_state(tx, params, mesh, "data")
-  compiled = sharded_update(tx, mesh).lower(device_grads(num), state).compile()
+  compiled = harness.step_fn(tx, mesh).lower(device_grads(num), state).compile()
   got = wire.collective_bytes(compiled)
   want = wire.expected_bytes(tx, params, num)
   assert got.by_kind == want.by_kind
@@ -88,7 +79,7 @@ def test_randomk_torus_bytes_equal_formula():
   tx = sparsify.randomk(0.25, ("x", "y"), seed=1)
   params = params_like()
   state = training.init_state(tx, params, mesh, ("x", "y"))
-  step = sharded_update(tx, mesh, axis=("x", "y"))
+  step = harness.step_fn(tx, mesh, axis=("x", "y"))
   grads = jax.tree.map(lambda g: jnp.round(g * 64) / 64, device_grads(8))  # exact sums
   got = wire.collective_bytes(step.lower(grads, state).compile())
   want = wire.expected_bytes(tx, params, (2, 4))
@@ -122,9 +113,9 @@ def test_full_density_equals_allreduce(name, mesh8):
   tx = COMPRESSORS[name](1.0, "data")
   grads = device_grads(8, seed=5)
   state = training.init_state(tx, params_like(), mesh8, "data")
-  out, new = sharded_update(tx, mesh8)(grads, state)
+  out, new = harness.step_fn(tx, mesh8)(grads, state)
   base_tx = dense.allreduce("data")
-  want, _ = sharded_update(base_tx, mesh8)(grads, training.init_state(
+  want, _ = harness.step_fn(base_tx, mesh8)(grads, training.init_state(
       base_tx, params_like(), mesh8, "data"))
   chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
   assert not np.any(harness.flat(new.residual))
@@ -152,7 +143,7 @@ def topk_oracle(grads_by_device, residuals, k):
 def test_topk_matches_numpy_over_two_steps(mesh8):
   tx = sparsify.topk(0.05, "data")
   k = math.ceil(0.05 * N)
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   residuals = [np.zeros(N, np.float32)] * 8
   for seed in (0, 1):
@@ -172,7 +163,7 @@ def test_topk_without_error_feedback_keeps_no_residual(mesh8):
   state = training.init_state(tx, params_like(), mesh8, "data")
   assert state.residual == ()
   grads = device_grads(8, seed=2)
-  out, _ = sharded_update(tx, mesh8)(grads, state)
+  out, _ = harness.step_fn(tx, mesh8)(grads, state)
   mean, _ = topk_oracle([harness.flat(grads, d) for d in range(8)], [0.0] * 8, k)
   harness.assert_bitwise_equal(harness.flat(out, 0), mean)
 
@@ -184,7 +175,7 @@ def test_gtopk_matches_butterfly_oracle(num):
   k = math.ceil(0.05 * N)
   state = training.init_state(tx, params_like(), mesh, "data")
   grads = device_grads(num, seed=num)
-  out, new = sharded_update(tx, mesh)(grads, state)
+  out, new = harness.step_fn(tx, mesh)(grads, state)
   harness.assert_same_on_devices(out)
   blocks, local = [], []
   for d in range(num):
@@ -207,7 +198,7 @@ def test_gtopk_matches_butterfly_oracle(num):
 def test_randomk_matches_numpy_and_splits_key(mesh8):
   tx = sparsify.randomk(0.1, "data", seed=7)
   k = math.ceil(0.1 * N)
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   residuals = [np.zeros(N, np.float32)] * 8
   chosen = []
@@ -238,7 +229,7 @@ def test_randomk_matches_numpy_and_splits_key(mesh8):
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_nan_on_one_device_poisons_all_and_keeps_state(name, mesh8):
   tx = COMPRESSORS[name](0.05, "data")
-  step = sharded_update(tx, mesh8)
+  step = harness.step_fn(tx, mesh8)
   state = training.init_state(tx, params_like(), mesh8, "data")
   _, state = step(device_grads(8, seed=1), state)
   grads = device_grads(8, seed=2)
@@ -351,7 +342,7 @@ def test_pmap_gives_the_shard_map_result(mesh8):
   tx = sparsify.gtopk(0.1, "data")
   grads = device_grads(8, seed=9)
   state = training.init_state(tx, params_like(), mesh8, "data")
-  want, want_state = sharded_update(tx, mesh8)(grads, state)
+  want, want_state = harness.step_fn(tx, mesh8)(grads, state)
   stacked = jax.tree.map(lambda x: np.broadcast_to(x, (8,) + x.shape), tx.init(params_like()))
   out, new = jax.pmap(tx.update, axis_name="data")(grads, stacked)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, want))
@@ -399,7 +390,7 @@ def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
                               exact_min_size=size))
       tx = COMPRESSORS[name](0.01, "data")
       state = training.stack_per_device(tx.init({"g": jnp.zeros(n)}), mesh8, "data")
-      step = sharded_update(tx, mesh8)
+      step = harness.step_fn(tx, mesh8)
       programs.append(step.lower(grads[0], state).as_text())
       for g in grads:
         out, state = jax.block_until_ready(step(g, state))
