@@ -9,6 +9,7 @@ from jaxcomp import collectives as collectives
 from jaxcomp import costmodel as costmodel
 from jaxcomp import error_feedback as error_feedback
 from jaxcomp import fusion as fusion
+from jaxcomp import hierarchy as hierarchy
 from jaxcomp import protocol as protocol
 from jaxcomp import registry as registry
 from jaxcomp import selection as selection
@@ -18,6 +19,8 @@ from jaxcomp.deep_gradient_compression import DGCState as DGCState
 from jaxcomp.deep_gradient_compression import dgc as dgc
 from jaxcomp.dense import allreduce as allreduce
 from jaxcomp.dense import cast as cast
+from jaxcomp.hierarchy import HierarchicalState as HierarchicalState
+from jaxcomp.hierarchy import hierarchical as hierarchical
 from jaxcomp.lowrank import ACPSGDState as ACPSGDState
 from jaxcomp.lowrank import PowerSGDState as PowerSGDState
 from jaxcomp.lowrank import acpsgd as acpsgd
@@ -40,6 +43,7 @@ __all__ = (
     "ACPSGDState",
     "DGCState",
     "GTopKState",
+    "HierarchicalState",
     "PowerSGDState",
     "QSGDState",
     "RandomKState",
@@ -55,6 +59,8 @@ __all__ = (
     "error_feedback",
     "fusion",
     "gtopk",
+    "hierarchical",
+    "hierarchy",
     "powersgd",
     "protocol",
     "qsgd",

@@ -101,6 +101,24 @@ def reduce_sum(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> ja
   return _reduce(flat, axes, sizes, wire_dtype).reshape(x.shape)
 
 
+def reduce_scatter(flat: jax.Array, axis_name: str, *, wire_dtype=None) -> jax.Array:
+  """This device's chunk of the sum over ``axis_name`` of a flat f32 buffer.
+
+  ``flat`` has ``G * c`` elements for ``G`` devices on the axis; device ``j``
+  gets elements ``j c`` to ``(j + 1) c - 1`` of the sum. With a 16-bit
+  ``wire_dtype`` the chunks travel as bits (an all-to-all) and are summed in
+  f32.
+  """
+  (size,) = base.axis_sizes(base.check_axis_name(axis_name))
+  return _reduce_scatter(flat.astype(jnp.float32), axis_name, size, wire_dtype)
+
+
+def allgather_chunks(chunk: jax.Array, axis_name: str, *, wire_dtype=None) -> jax.Array:
+  """Every device's flat f32 ``chunk`` over ``axis_name``, end to end in device order."""
+  base.axis_sizes(base.check_axis_name(axis_name))
+  return _all_gather(chunk, axis_name, wire_dtype)
+
+
 def mean(x: jax.Array, axis_name: base.AxisName, *, wire_dtype=None) -> jax.Array:
   """The mean of ``x`` over the device axis (or pair of axes), in f32.
 

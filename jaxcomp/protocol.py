@@ -295,8 +295,13 @@ def compressor(method: Method) -> optax.GradientTransformation:
   def wire(shapes, axis_sizes, steps=None):
     return method.wire(method.layout(shapes), tuple(axis_sizes), steps)
 
-  setattr(update_fn, _SPEC_ATTRIBUTE, Spec(method.name, dict(method.config), method.axes, wire))
+  attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire))
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def attach_spec(update_fn: Callable, spec_: Spec) -> None:
+  """Marks ``update_fn`` as a compressor's, for :func:`spec` and :func:`find_specs`."""
+  setattr(update_fn, _SPEC_ATTRIBUTE, spec_)
 
 
 def spec(tx: Any) -> Optional[Spec]:

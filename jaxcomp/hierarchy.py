@@ -1,0 +1,204 @@
+"""Hierarchical exchange: dense on the fast axis, any compressor on the slow one only.
+
+The module is named for the idea: ``jaxcomp.hierarchical`` is the public factory.
+
+On a mesh with a fast axis (NVLink inside a node, ICI inside a slice) of
+``X`` devices and a slow one (Ethernet or DCN between them), compression pays
+on the slow links only. :func:`hierarchical` wraps any jaxcomp compressor
+built over the slow axis:
+
+1. a dense reduce-scatter of the mean over the fast axis (f32, or 16 bits on
+   the wire): device ``j`` of a node holds row block ``j`` of every leaf;
+2. the compressor over the slow axis on that shard alone, its state (its
+   residual, momentum, factors) sized to the shard, so each device
+   compresses ``1/X`` of the gradient;
+3. a dense all-gather over the fast axis back to whole leaves.
+
+Shards are row blocks: a leaf of shape ``(d0, ..., dk)`` is viewed as the
+matrix ``(d0 ... d(k-1), dk)``, its rows padded with zeros to a multiple of
+``X`` and cut into ``X`` equal blocks; a vector is cut into ``X`` equal
+pieces, a scalar is a vector of one. A low-rank method therefore factorises
+each row block on its own: ``M = [M_1; ...; M_X]`` is sent as ``X``
+independent rank-``r`` approximations ``M_j ~ P_j Q_j^T``, each over the slow
+axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import base
+from jaxcomp import collectives
+from jaxcomp import fusion
+from jaxcomp import protocol
+from jaxcomp import wire
+
+
+class HierarchicalState(NamedTuple):
+  """State of :func:`hierarchical`.
+
+  Attributes:
+    inner: the wrapped compressor's state for this device's shard (its
+      residual is shaped like :func:`shard_shapes` of the parameters).
+  """
+
+  inner: optax.OptState
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+  if len(shape) == 0:
+    return 1, 1
+  if len(shape) == 1:
+    return shape[0], 1
+  return math.prod(shape[:-1]), shape[-1]
+
+
+def _shard_shape(shape: tuple[int, ...], fast_size: int) -> tuple[int, ...]:
+  rows, cols = _rows_cols(shape)
+  block = -(-rows // fast_size)
+  return (block,) if len(shape) < 2 else (block, cols)
+
+
+def shard_shapes(params: optax.Params, fast_size: int) -> optax.Params:
+  """``jax.ShapeDtypeStruct`` leaves of one device's row-block shard of ``params``."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(_shard_shape(tuple(jnp.shape(x)), fast_size), x.dtype),
+      params)
+
+
+def _blocks(leaf: jax.Array, fast_size: int) -> jax.Array:
+  """``f32[X, block * cols]``: the leaf's rows, padded and cut into ``X`` blocks."""
+  rows, cols = _rows_cols(tuple(leaf.shape))
+  block = -(-rows // fast_size)
+  matrix = leaf.reshape(rows, cols).astype(jnp.float32)
+  matrix = jnp.pad(matrix, ((0, block * fast_size - rows), (0, 0)))
+  return matrix.reshape(fast_size, block * cols)
+
+
+def _unblocks(blocks: jax.Array, like: jax.Array) -> jax.Array:
+  """The inverse of :func:`_blocks`: ``[X, block * cols]`` back to ``like``'s shape and dtype."""
+  rows, cols = _rows_cols(tuple(like.shape))
+  return blocks.reshape(-1, cols)[:rows].reshape(like.shape).astype(like.dtype)
+
+
+def hierarchical(
+    compressor: optax.GradientTransformation,
+    fast_axis: str,
+    fast_size: int,
+    *,
+    fast_dtype: Any = None,
+) -> optax.GradientTransformation:
+  """Any compressor on the slow axis only, on this device's ``1/X`` of the gradient.
+
+  Args:
+    compressor: a jaxcomp compressor built over the slow axis (or axes),
+      e.g. ``jaxcomp.gtopk(1e-3, "dcn")``.
+    fast_axis: the fast mesh axis (inside a node or slice).
+    fast_size: ``X``, its size (the state is built outside any mesh, so it
+      is given here), an int >= 1.
+    fast_dtype: ``None`` (f32) or a 16-bit float dtype for the dense
+      reduce-scatter and all-gather on the fast axis.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state
+    :class:`HierarchicalState`, whose ``update`` runs inside ``shard_map``
+    over both axes and returns the mean over the whole mesh (the
+    compressor's decoded mean of the fast-axis means), identical on every
+    device. A non-finite mean leaves every shard's state as it was.
+
+  Wire: on the fast axis, a reduce-scatter and an all-gather of the ``X S``
+  padded shard elements, ``(X - 1) / X * X S * w`` bytes each (``w`` bytes
+  per element: 4, or 2 with a 16-bit ``fast_dtype``); on the slow axis, the
+  compressor's formula for gradients shaped like the shard
+  (:func:`shard_shapes`).
+
+  Example::
+
+    tx = optax.chain(
+        jaxcomp.hierarchical(jaxcomp.gtopk(1e-3, "dcn"), "ici", 4),
+        optax.sgd(0.1, momentum=0.9))
+  """
+  inner_spec = protocol.spec(compressor)
+  if inner_spec is None:
+    raise TypeError(
+        "`compressor` must be a jaxcomp compressor (jaxcomp.gtopk(...), ...), got"
+        f" {type(compressor).__name__}")
+  if not isinstance(fast_axis, str) or not fast_axis:
+    raise TypeError(f"`fast_axis` must be a mesh axis name (str), got {fast_axis!r}")
+  if fast_axis in inner_spec.axes:
+    raise ValueError(
+        f"`fast_axis` {fast_axis!r} is also the compressor's axis: build the compressor"
+        f" over the slow axis only, got axes {inner_spec.axes}")
+  fast_size = base.check_number(fast_size, "fast_size", integer=True, low=1)
+  wire_dtype = None
+  if fast_dtype is not None:
+    wire_dtype = jnp.dtype(fast_dtype)
+    if not jnp.issubdtype(wire_dtype, jnp.floating) or wire_dtype.itemsize not in (2, 4):
+      raise TypeError(f"`fast_dtype` must be None or a 16- or 32-bit float, got {fast_dtype!r}")
+    wire_dtype = None if wire_dtype.itemsize == 4 else wire_dtype
+
+  def init_fn(params):
+    shards = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shard_shapes(params, fast_size))
+    return HierarchicalState(inner=compressor.init(shards))
+
+  def update_fn(updates, state, params=None):
+    del params
+    fusion.check_leaves(updates)
+    (size,) = base.axis_sizes((fast_axis,))
+    if size != fast_size:
+      raise ValueError(
+          f"`fast_size` is {fast_size} but the mesh axis {fast_axis!r} has {size} devices")
+    bucket = fusion.Bucket.of(updates)
+    if bucket.size == 0:  # nothing to exchange
+      return updates, state
+    leaves = jax.tree.leaves(updates)
+    blocks = [_blocks(leaves[i], fast_size) for i in bucket.leaves]
+    widths = [b.shape[1] for b in blocks]
+    stacked = jnp.concatenate(blocks, axis=1) / fast_size  # the mean, scaled before the sum
+    shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
+    shard_tree = fusion.scatter_leaves(updates, {
+        i: part.reshape(_shard_shape(tuple(leaves[i].shape), fast_size)).astype(leaves[i].dtype)
+        for i, part in zip(bucket.leaves, _split(shard, widths))})
+    mean_shard, inner_state = compressor.update(shard_tree, state.inner)
+    mean_leaves = jax.tree.leaves(mean_shard)
+    flat_shard = fusion.concat([mean_leaves[i].reshape(-1).astype(jnp.float32)
+                                for i in bucket.leaves])
+    gathered = collectives.allgather_chunks(flat_shard, fast_axis, wire_dtype=wire_dtype)
+    gathered = gathered.reshape(fast_size, -1)
+    result = fusion.scatter_leaves(updates, {
+        i: _unblocks(part, leaves[i])
+        for i, part in zip(bucket.leaves, _split(gathered, widths, axis=1))})
+    # The mean is identical on every device, so is this choice; a shard whose
+    # own slow group saw finite input must not move on alone.
+    ok = jnp.all(jnp.isfinite(gathered))
+    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), inner_state, state.inner)
+    return result, HierarchicalState(inner=kept)
+
+  def wire_cost(shapes, sizes, steps):
+    slow_sizes, (fast,) = tuple(sizes[:-1]), sizes[-1:]
+    shard = shard_shapes(shapes, fast_size)
+    padded = fast * fusion.Bucket.of(shard).size
+    itemsize = 4 if wire_dtype is None else wire_dtype.itemsize
+    scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
+    fast_cost = (wire.transfer(scatter, fast, padded * itemsize),
+                 wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize))
+    return fast_cost + tuple(inner_spec.wire(shard, slow_sizes, steps))
+
+  protocol.attach_spec(update_fn, protocol.Spec(
+      name=inner_spec.name,
+      config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
+      axes=inner_spec.axes + (fast_axis,), wire=wire_cost))
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _split(x: jax.Array, widths, axis: int = 0) -> list[jax.Array]:
+  out, offset = [], 0
+  for w in widths:
+    out.append(jax.lax.slice_in_dim(x, offset, offset + w, axis=axis))
+    offset += w
+  return out

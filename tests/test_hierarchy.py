@@ -1,0 +1,152 @@
+"""Every compressor on the slow axis only, on a (2, 4) mesh ("dcn", "ici"), 8 fake CPU devices."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import registry
+from jaxcomp import training
+from jaxcomp import wire
+
+AXES = ("dcn", "ici")
+MESH_SHAPE = (2, 4)
+PARAMS = {"conv": jnp.zeros((3, 3, 4, 8)), "w": jnp.zeros((18, 12)), "b": jnp.zeros((10,)),
+          "s": jnp.zeros(())}
+SMALL_MODEL = {"density": 0.2, "rank": 2, "levels": 4, "bucket_size": 32}
+
+
+def _inner(name):
+  config = {k: v for k, v in SMALL_MODEL.items() if k in registry.get(name).defaults}
+  return registry.build(name, "dcn", **config)
+
+
+def _grads(seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32), PARAMS)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name):
+  mesh = training.make_mesh(MESH_SHAPE, AXES)
+  tx = jaxcomp.hierarchical(_inner(name), "ici", 4)
+  state = training.init_state(tx, PARAMS, mesh, AXES)
+  update = training.make_update(tx, mesh, AXES)
+  grads = training.shard(_grads(0), mesh, AXES)
+  compiled = update.lower(grads, state).compile()
+  out, state = jax.block_until_ready(update(grads, state))
+  bad = _grads(1)
+  bad["w"][6, 2, 3] = np.nan
+  before = jax.tree.map(np.asarray, state)
+  bad_out, bad_state = jax.block_until_ready(update(training.shard(bad, mesh, AXES), state))
+  return dict(tx=tx, compiled=compiled, out=out, state=state, before=before,
+              bad_out=bad_out, bad_state=bad_state)
+
+
+def test_dense_inner_gives_the_mean_over_the_whole_mesh():
+  out = _run("allreduce")["out"]
+  grads = _grads(0)
+  for name in PARAMS:
+    want = grads[name].mean(axis=0)
+    for device in range(8):
+      np.testing.assert_allclose(np.asarray(out[name][device]), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_compressor_on_the_shard_same_on_every_device(name):
+  out = _run(name)["out"]
+  for leaf in jax.tree.leaves(out):
+    leaf = np.asarray(leaf)
+    assert np.isfinite(leaf).all()
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_state_is_sized_to_the_shard(name):
+  state = _run(name)["state"].inner
+  residual = getattr(state, "residual", ())
+  if not jax.tree.leaves(residual):
+    return
+  # Rows of each leaf's matrix view, cut into 4 blocks: conv (36, 8) -> (9, 8),
+  # w (18, 12) -> (5, 12) (padded), b (10,) -> (3,), a scalar -> (1,).
+  shapes = {k: v.shape[1:] for k, v in residual.items()}
+  assert shapes == {"conv": (9, 8), "w": (5, 12), "b": (3,), "s": (1,)}
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_bytes_read_from_the_program_equal_the_formula(name):
+  run = _run(name)
+  read = wire.collective_bytes(run["compiled"])
+  formula = wire.expected_bytes(run["tx"], PARAMS, {"dcn": 2, "ici": 4})
+  assert read.by_branch == formula.by_branch
+  # Fast-axis ops are over groups of 4, the compressor's over groups of 2 (or pairs).
+  groups = {op.group_size for op in read.ops if op.bytes}
+  assert groups <= {1, 2, 4} and 4 in groups
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_non_finite_on_one_device_poisons_every_mean_and_no_shard_state(name):
+  run = _run(name)
+  for device in range(8):
+    assert not all(np.isfinite(np.asarray(x[device])).all()
+                   for x in jax.tree.leaves(run["bad_out"]))
+  for got, was in zip(jax.tree.leaves(run["bad_state"]), jax.tree.leaves(run["before"])):
+    np.testing.assert_array_equal(np.asarray(got), was)
+
+
+def test_slow_link_bytes_of_sparse_methods_fall_with_the_fast_axis():
+  """gTop-k on the slow axis sends the k of a 1/X shard: 1/X of the flat method's."""
+  shapes = {"w": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  flat = wire.expected_bytes(jaxcomp.gtopk(1e-3, "dcn"), shapes, 2).total
+  nested = wire.expected_bytes(jaxcomp.hierarchical(jaxcomp.gtopk(1e-3, "dcn"), "ici", 4),
+                               shapes, {"dcn": 2, "ici": 4})
+  slow = nested.total - nested.by_kind["reduce-scatter"] - nested.by_kind["all-gather"]
+  assert flat == 8 * math.ceil(1e-3 * 4096 * 1024)  # one round of k values and indices
+  assert slow == 8 * math.ceil(1e-3 * 4096 * 1024 / 4)
+
+
+def test_chains_and_trains():
+  mesh = training.make_mesh(MESH_SHAPE, AXES)
+  tx = optax.chain(jaxcomp.hierarchical(jaxcomp.gtopk(0.3, "dcn"), "ici", 4),
+                   optax.sgd(0.1, momentum=0.9))
+
+  def loss_fn(params, batch):
+    return sum(jnp.mean((p[None] - b) ** 2) for p, b in
+               zip(jax.tree.leaves(params), jax.tree.leaves(batch)))
+
+  params = training.replicate(PARAMS, mesh)
+  state = training.init_state(tx, PARAMS, mesh, AXES)
+  step = training.make_step(loss_fn, tx, mesh, AXES)
+  batch = training.shard(jax.tree.map(lambda x: np.concatenate([x, x]), _grads(3)), mesh, AXES)
+  losses = []
+  for _ in range(5):
+    params, state, metrics = jax.block_until_ready(step(params, state, batch))
+    losses.append(float(np.mean(metrics["loss"])))
+  assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: jaxcomp.hierarchical(optax.sgd(0.1), "ici", 4), TypeError, "jaxcomp compressor"),
+    (lambda: jaxcomp.hierarchical(jaxcomp.topk(0.1, "ici"), "ici", 4), ValueError,
+     "also the compressor's axis"),
+    (lambda: jaxcomp.hierarchical(jaxcomp.topk(0.1, "dcn"), "ici", 0), ValueError,
+     r"`fast_size` must be in \[1, inf\)"),
+    (lambda: jaxcomp.hierarchical(jaxcomp.topk(0.1, "dcn"), "ici", 4, fast_dtype=jnp.int8),
+     TypeError, "fast_dtype"),
+])
+def test_bad_arguments(call, error, message):
+  with pytest.raises(error, match=message):
+    call()
+
+
+def test_a_fast_size_unlike_the_mesh_is_named_at_first_trace():
+  mesh = training.make_mesh(MESH_SHAPE, AXES)
+  tx = jaxcomp.hierarchical(jaxcomp.topk(0.5, "dcn"), "ici", 2)
+  state = training.init_state(tx, PARAMS, mesh, AXES)
+  with pytest.raises(ValueError, match=r"`fast_size` is 2 but the mesh axis 'ici' has 4"):
+    training.make_update(tx, mesh, AXES)(training.shard(_grads(0), mesh, AXES), state)
