@@ -29,7 +29,7 @@ import enum
 from fractions import Fraction
 import math
 import re
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp

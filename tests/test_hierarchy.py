@@ -150,3 +150,21 @@ def test_a_fast_size_unlike_the_mesh_is_named_at_first_trace():
   state = training.init_state(tx, PARAMS, mesh, AXES)
   with pytest.raises(ValueError, match=r"`fast_size` is 2 but the mesh axis 'ici' has 4"):
     training.make_update(tx, mesh, AXES)(training.shard(_grads(0), mesh, AXES), state)
+
+
+def test_sixteen_bits_on_the_fast_axis_halve_its_bytes():
+  mesh = training.make_mesh(MESH_SHAPE, AXES)
+  f32 = jaxcomp.hierarchical(jaxcomp.allreduce("dcn"), "ici", 4)
+  bf16 = jaxcomp.hierarchical(jaxcomp.allreduce("dcn"), "ici", 4, fast_dtype=jnp.bfloat16)
+  sizes = {"dcn": 2, "ici": 4}
+  wide, narrow = (wire.expected_bytes(tx, PARAMS, sizes) for tx in (f32, bf16))
+  assert narrow.by_kind["all-to-all"] * 2 == wide.by_kind["reduce-scatter"]
+  assert narrow.by_kind["all-gather"] * 2 == wide.by_kind["all-gather"]
+  state = training.init_state(bf16, PARAMS, mesh, AXES)
+  update = training.make_update(bf16, mesh, AXES)
+  grads = training.shard(_grads(0), mesh, AXES)
+  assert wire.collective_bytes(update.lower(grads, state).compile()).by_kind == narrow.by_kind
+  out, _ = jax.block_until_ready(update(grads, state))
+  for name in PARAMS:  # bf16 keeps 8 bits of mantissa, twice rounded
+    np.testing.assert_allclose(np.asarray(out[name][0]), _grads(0)[name].mean(axis=0),
+                               rtol=2e-2, atol=2e-2)
