@@ -111,7 +111,8 @@ def hierarchical(
     compressor's decoded mean of the fast-axis means), identical on every
     device. A non-finite mean leaves every shard's state as it was.
 
-  Wire: on the fast axis, a reduce-scatter and an all-gather of the ``X S``
+  Wire (:func:`jaxcomp.wire.expected_bytes` gives it per axis in
+  ``by_axes``): on the fast axis, a reduce-scatter and an all-gather of the ``X S``
   padded shard elements, ``(X - 1) / X * X S * w`` bytes each (``w`` bytes
   per element: 4, or 2 with a 16-bit ``fast_dtype``); on the slow axis, the
   compressor's formula for gradients shaped like the shard
@@ -187,7 +188,8 @@ def hierarchical(
     scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
     fast_cost = (wire.transfer(scatter, fast, padded * itemsize),
                  wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize))
-    return fast_cost + tuple(inner_spec.wire(shard, slow_sizes, steps))
+    return (wire.on_axes(fast_cost, (fast_axis,))
+            + wire.on_axes(inner_spec.wire(shard, slow_sizes, steps), inner_spec.axes))
 
   protocol.attach_spec(update_fn, protocol.Spec(
       name=inner_spec.name,

@@ -33,6 +33,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp import base
@@ -78,6 +79,7 @@ class Transfer(NamedTuple):
     weight: times per step on average (1/2: every other step).
     branch: the index of the branch of the step's one ``lax.switch`` that
       holds it, ``None`` outside any branch.
+    axes: the mesh axes whose links it crosses (``None``: not stated).
   """
 
   kind: str
@@ -85,10 +87,21 @@ class Transfer(NamedTuple):
   bytes: Fraction
   weight: Fraction = Fraction(1)
   branch: Optional[int] = None
+  axes: Optional[tuple[str, ...]] = None
 
 
-# The collectives of one step.
-WireCost = tuple[Transfer, ...]
+def on_axes(cost: WireCost, axes: Sequence[str]) -> WireCost:
+  """``cost`` of a compressor over one mesh axis, each transfer labelled with it.
+
+  A compressor over a pair of axes (the torus) runs some collectives along one
+  axis and some over both; its transfers keep ``axes=None`` and count in
+  ``by_axes`` only through :func:`collective_bytes`, which reads each one's
+  device groups. Transfers already labelled keep their label.
+  """
+  axes = tuple(axes)
+  if len(axes) != 1:
+    return tuple(cost)
+  return tuple(t if t.axes is not None else t._replace(axes=axes) for t in cost)
 
 
 def transfer(kind: str, group: int, buffer_bytes) -> Transfer:
@@ -198,6 +211,7 @@ class CollectiveOp:
   bytes: Fraction
   weight: Fraction
   branch: Optional[int] = None
+  axes: Optional[tuple[str, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +224,15 @@ class WireBytes:
     by_branch: unweighted bytes of each branch of the step's switch (``None``:
       outside any branch), for comparing a formula with a program branch by
       branch when the formula weights its branches by a schedule.
+    by_axes: weighted bytes per step over each set of mesh axes (a fast and
+      a slow link apart): for a program, read from each collective's device
+      groups (with ``mesh_shape``); for a formula, stated by compressors over
+      one axis and by :func:`jaxcomp.hierarchical` (fast and slow apart).
   """
   ops: tuple[CollectiveOp, ...] = ()
   by_kind: dict[str, Fraction] = dataclasses.field(default_factory=dict)
   by_branch: dict[Optional[int], Fraction] = dataclasses.field(default_factory=dict)
+  by_axes: dict[tuple[str, ...], Fraction] = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> Fraction:
@@ -224,14 +243,17 @@ class WireBytes:
 
 
 def _tally(items) -> WireBytes:
-  """:class:`WireBytes` of ``(kind, bytes, weight, branch)`` items."""
+  """:class:`WireBytes` of ``(kind, bytes, weight, branch, axes)`` items."""
   by_kind: dict[str, Fraction] = {}
   by_branch: dict[Optional[int], Fraction] = {}
-  for kind, nbytes, weight, branch in items:
+  by_axes: dict[tuple[str, ...], Fraction] = {}
+  for kind, nbytes, weight, branch, axes in items:
     if nbytes:
       by_kind[kind] = by_kind.get(kind, Fraction(0)) + nbytes * weight
       by_branch[branch] = by_branch.get(branch, Fraction(0)) + nbytes
-  return WireBytes(by_kind=by_kind, by_branch=by_branch)
+      if axes is not None:
+        by_axes[axes] = by_axes.get(axes, Fraction(0)) + nbytes * weight
+  return WireBytes(by_kind=by_kind, by_branch=by_branch, by_axes=by_axes)
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -323,16 +345,47 @@ def _callees(line: str, op: str) -> list[tuple[str, Fraction, Optional[int]]]:
   return [(called.group(1), Fraction(1), None)] if called else []
 
 
-def collective_bytes(compiled: Any) -> WireBytes:
+def _groups(line: str) -> Optional[list[list[int]]]:
+  """The device groups of a collective (pairs for a permute), ``None``: all devices."""
+  pairs = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", line)
+  explicit = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
+  listed = pairs or explicit
+  if listed:
+    return [[int(d) for d in group.split(",") if d]
+            for group in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
+  iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+  if iota:
+    shape = [int(d) for d in iota.group(1).split(",")]
+    source = [int(d) for d in iota.group(2).split(",")]
+    ids = np.arange(math.prod(source)).reshape(source)
+    if iota.group(3):
+      ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+    return ids.reshape(shape).tolist()
+  return None
+
+
+def _axes_of(groups: Optional[list[list[int]]], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+  """The mesh axes along which the devices of the first group differ."""
+  names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
+  if groups is None:
+    return names
+  coords = np.array(np.unravel_index(groups[0], sizes)).T
+  return tuple(n for i, n in enumerate(names) if len(set(coords[:, i])) > 1)
+
+
+def collective_bytes(compiled: Any, *, mesh_shape: Optional[Mapping[str, int]] = None) -> WireBytes:
   """Bytes one device sends per step, read from a compiled program's HLO.
 
   Args:
     compiled: ``jax.jit(f).lower(*args).compile()``, or its ``as_text()``.
+    mesh_shape: the mesh's axis sizes in order (``mesh.shape``): each
+      collective is then labelled with the axes its device groups span, and
+      ``by_axes`` gives the bytes over each (a fast and a slow link apart).
 
   Returns:
     :class:`WireBytes` with one :class:`CollectiveOp` per collective, the
-    totals by kind and by branch, priced by :func:`ring_bytes` with ``G``
-    the replica group's size.
+    totals by kind, by branch (and by axes), priced by :func:`ring_bytes`
+    with ``G`` the replica group's size.
   """
   text = _hlo_text(compiled)
   header = text.split("\n", 1)[0]
@@ -358,13 +411,14 @@ def collective_bytes(compiled: Any) -> WireBytes:
         continue
       group = 1 if op == Kind.COLLECTIVE_PERMUTE else _group_size(line, num_devices)
       buffer = _buffer_bytes(op, match.group("type"), bool(match.group("start")), group)
+      axes = None if mesh_shape is None else _axes_of(_groups(line), mesh_shape)
       ops.append(CollectiveOp(
           name=match.group("name"), kind=op, group_size=group, buffer_bytes=buffer,
-          bytes=ring_bytes(op, group, buffer), weight=weight, branch=branch,
+          bytes=ring_bytes(op, group, buffer), weight=weight, branch=branch, axes=axes,
       ))
 
   visit(entry, Fraction(1), None)
-  tally = _tally((op.kind, op.bytes, op.weight, op.branch) for op in ops)
+  tally = _tally((op.kind, op.bytes, op.weight, op.branch, op.axes) for op in ops)
   return dataclasses.replace(tally, ops=tuple(ops))
 
 
@@ -408,8 +462,8 @@ def expected_bytes(
   items = []
   for spec in specs:
     sizes = base.normalize_axis_sizes(spec.axes, num_devices)
-    for t in spec.wire(shapes, sizes, steps):
-      items.append((t.kind, t.bytes, t.weight, t.branch))
+    for t in on_axes(spec.wire(shapes, sizes, steps), spec.axes):
+      items.append((t.kind, t.bytes, t.weight, t.branch, t.axes))
   return _tally(items)
 
 
@@ -422,6 +476,8 @@ def transfers(
   if not specs:
     raise TypeError(f"`tx` holds no jaxcomp compressor: {type(tx).__name__}")
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-  return tuple(
-      t for spec in specs
-      for t in spec.wire(shapes, base.normalize_axis_sizes(spec.axes, num_devices), steps))
+  cost = ()
+  for spec in specs:
+    sizes = base.normalize_axis_sizes(spec.axes, num_devices)
+    cost += on_axes(spec.wire(shapes, sizes, steps), spec.axes)
+  return cost

@@ -167,6 +167,14 @@ def test_bytes_read_from_the_program_equal_the_formula(case, mesh_name):
   steady = wire.expected_bytes(run["tx"], PARAMS, shape, steps=1) == formula
   if steady:  # no schedule: the program's branch weights are the formula's
     assert read.by_kind == formula.by_kind
+    # and every byte is read on the mesh axes it crosses: on a ring, the
+    # formula's own axis; on a torus, rows and columns apart.
+    sizes, names = MESHES[mesh_name]
+    mesh_shape = dict(zip(names, sizes if isinstance(sizes, tuple) else (sizes,)))
+    by_axes = wire.collective_bytes(run["compiled"], mesh_shape=mesh_shape).by_axes
+    assert sum(by_axes.values()) == formula.total
+    if len(names) == 1:
+      assert by_axes == formula.by_axes == {names: formula.total}
   # Through any chain, the same formula.
   chained = optax.chain(run["tx"], optax.sgd(0.1))
   assert wire.expected_bytes(chained, PARAMS, shape) == formula

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jaxcomp
+from experiments import shapes
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -84,9 +85,11 @@ def test_bytes_read_from_the_program_equal_the_formula(name):
   read = wire.collective_bytes(run["compiled"])
   formula = wire.expected_bytes(run["tx"], PARAMS, {"dcn": 2, "ici": 4})
   assert read.by_branch == formula.by_branch
-  # Fast-axis ops are over groups of 4, the compressor's over groups of 2 (or pairs).
-  groups = {op.group_size for op in read.ops if op.bytes}
-  assert groups <= {1, 2, 4} and 4 in groups
+  # The fast and the slow links apart: the dense reduce-scatter and all-gather
+  # on "ici", the compressor's collectives on "dcn" only.
+  per_axis = wire.collective_bytes(run["compiled"], mesh_shape={"dcn": 2, "ici": 4}).by_axes
+  assert per_axis == formula.by_axes
+  assert set(per_axis) == {("dcn",), ("ici",)}
 
 
 @pytest.mark.parametrize("name", registry.names())
@@ -168,3 +171,17 @@ def test_sixteen_bits_on_the_fast_axis_halve_its_bytes():
   for name in PARAMS:  # bf16 keeps 8 bits of mantissa, twice rounded
     np.testing.assert_allclose(np.asarray(out[name][0]), _grads(0)[name].mean(axis=0),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tx", [
+    jaxcomp.gtopk(1e-3, "dcn"),
+    jaxcomp.dgc(1e-3, "dcn", sparse_leaves="all"),
+], ids=["gtopk", "dgc"])
+def test_slow_link_bytes_at_density_1e3_are_under_1_300_of_dense(tx):
+  resnet = shapes.resnet50()
+  sizes = {"dcn": 2, "ici": 4}
+  dense = wire.expected_bytes(jaxcomp.hierarchical(jaxcomp.allreduce("dcn"), "ici", 4),
+                              resnet, sizes).by_axes
+  sparse = wire.expected_bytes(jaxcomp.hierarchical(tx, "ici", 4), resnet, sizes).by_axes
+  assert sparse[("dcn",)] * 300 <= dense[("dcn",)]
+  assert sparse[("ici",)] == dense[("ici",)]  # the fast links carry the same dense traffic
