@@ -351,8 +351,9 @@ def _groups(line: str) -> Optional[list[list[int]]]:
   explicit = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
   listed = pairs or explicit
   if listed:
-    return [[int(d) for d in group.split(",") if d]
-            for group in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
+    groups = [[int(d) for d in group.split(",") if d]
+              for group in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
+    return groups or None  # replica_groups={}: every device
   iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
   if iota:
     shape = [int(d) for d in iota.group(1).split(",")]

@@ -63,6 +63,19 @@ def test_hand_written_hlo_async_tuples_groups_and_branches():
   assert sent.total == sum(sent.by_kind.values())
 
 
+def test_axes_are_read_from_the_device_groups():
+  # Four devices as a (2, 2) mesh ("x", "y"): device d sits at (d // 2, d % 2).
+  sent = wire.collective_bytes(_ASYNC_HLO, mesh_shape={"x": 2, "y": 2})
+  axes = {op.name: op.axes for op in sent.ops}
+  assert axes == {"ags": ("x", "y"), "cps": ("y",), "ars": ("y",), "a2a": ("x", "y"),
+                  "ar.p": ("x", "y"), "ar.q": ("x", "y")}
+  assert sum(sent.by_axes.values()) == sent.total
+  transposed = _ASYNC_HLO.replace("replica_groups=[1,4]<=[4]", "replica_groups=[2,2]<=[2,2]T(1,0)")
+  axes = {op.name: op.axes for op in wire.collective_bytes(
+      transposed, mesh_shape={"x": 2, "y": 2}).ops}
+  assert axes["ar.p"] == ("x",)  # groups {0, 2} and {1, 3}: down the columns
+
+
 def test_compiled_collectives_use_the_ring_formulas():
   mesh = training.make_mesh(8)
   n = 64
