@@ -51,7 +51,7 @@ import optax
 from jaxcomp import registry
 from jaxcomp import wire
 
-NumDevices = Union[int, tuple[int, int]]
+NumDevices = Union[int, tuple[int, int], Mapping[str, int]]
 
 _RING_STEPS = {
     wire.Kind.ALL_REDUCE: lambda group: 2 * (group - 1),
@@ -69,11 +69,34 @@ class Recommendation(NamedTuple):
   config: dict
 
 
-def _check_network(bandwidth_gbit: float, latency_us: float) -> None:
-  if not bandwidth_gbit > 0 or not math.isfinite(bandwidth_gbit):
-    raise ValueError(f"`bandwidth_gbit` must be in (0, inf), got {bandwidth_gbit}")
-  if not latency_us >= 0 or not math.isfinite(latency_us):
-    raise ValueError(f"`latency_us` must be in [0, inf), got {latency_us}")
+Network = Union[float, Mapping[str, float]]
+
+
+def _check_network(bandwidth_gbit: Network, latency_us: Network) -> None:
+  for value in (bandwidth_gbit.values() if isinstance(bandwidth_gbit, Mapping)
+                else (bandwidth_gbit,)):
+    if not value > 0 or not math.isfinite(value):
+      raise ValueError(f"`bandwidth_gbit` must be in (0, inf), got {value}")
+  for value in latency_us.values() if isinstance(latency_us, Mapping) else (latency_us,):
+    if not value >= 0 or not math.isfinite(value):
+      raise ValueError(f"`latency_us` must be in [0, inf), got {value}")
+
+
+def _link(transfer: wire.Transfer, bandwidth_gbit: Network, latency_us: Network):
+  """``(bandwidth, latency)`` of the links a transfer crosses: the slowest of its axes."""
+
+  def pick(network: Network, slowest):
+    if not isinstance(network, Mapping):
+      return network
+    axes = transfer.axes or tuple(network)
+    missing = [a for a in axes if a not in network]
+    if missing:
+      raise ValueError(
+          f"the network names axes {sorted(network)}, but a {transfer.kind} runs over"
+          f" {missing}")
+    return slowest(network[a] for a in axes)
+
+  return pick(bandwidth_gbit, min), pick(latency_us, max)
 
 
 def steps(kind: str, group: int) -> int:
@@ -87,25 +110,29 @@ def steps(kind: str, group: int) -> int:
 
 
 def exchange_time(
-    cost: Sequence[wire.Transfer], bandwidth_gbit: float, latency_us: float
+    cost: Sequence[wire.Transfer], bandwidth_gbit: Network, latency_us: Network
 ) -> float:
   """Seconds of one gradient exchange: the sum over ``cost`` of the alpha-beta time.
 
   Args:
     cost: the transfers of one step, ``wire.transfers(tx, params, num_devices)``.
-    bandwidth_gbit: link bandwidth in Gbit/s (each device sends at this rate).
-    latency_us: per-message latency in microseconds.
+    bandwidth_gbit: link bandwidth in Gbit/s (each device sends at this rate),
+      or one per mesh axis (``{"ici": 400.0, "dcn": 10.0}``): a transfer is
+      then priced at the slowest link among the axes it crosses (all the
+      listed axes for a transfer whose axes are not stated).
+    latency_us: per-message latency in microseconds, or one per mesh axis
+      (the largest among a transfer's axes).
 
   Returns:
     ``sum(weight * (latency * steps(kind, group) + bytes / bandwidth))``.
   """
   _check_network(bandwidth_gbit, latency_us)
-  bytes_per_s = bandwidth_gbit * 1e9 / 8
-  latency_s = latency_us * 1e-6
-  return sum(
-      float(t.weight) * (latency_s * steps(t.kind, t.group) + float(t.bytes) / bytes_per_s)
-      for t in cost
-  )
+  seconds = 0.0
+  for t in cost:
+    bandwidth, latency = _link(t, bandwidth_gbit, latency_us)
+    seconds += float(t.weight) * (
+        latency * 1e-6 * steps(t.kind, t.group) + float(t.bytes) / (bandwidth * 1e9 / 8))
+  return seconds
 
 
 def _shapes(params: optax.Params):
@@ -116,8 +143,8 @@ def predict(
     tx: optax.GradientTransformation,
     params: optax.Params,
     num_devices: NumDevices,
-    bandwidth_gbit: float,
-    latency_us: float,
+    bandwidth_gbit: Network,
+    latency_us: Network,
     compute_s: float = 0.0,
     *,
     steps: Optional[int] = None,
@@ -129,9 +156,11 @@ def predict(
       (then ``num_devices`` is an int) or a pair of axes (then ``num_devices``
       is ``(rows, cols)``).
     params: the parameters, or their shapes.
-    num_devices: P, or ``(rows, cols)`` for the 2D torus.
-    bandwidth_gbit: link bandwidth in Gbit/s.
-    latency_us: per-message latency in microseconds.
+    num_devices: P, ``(rows, cols)`` for the 2D torus, or the mesh shape
+      (``{"dcn": 4, "ici": 8}``) for :func:`jaxcomp.hierarchical`.
+    bandwidth_gbit: link bandwidth in Gbit/s, or one per mesh axis (see
+      :func:`exchange_time`).
+    latency_us: per-message latency in microseconds, or one per mesh axis.
     compute_s: seconds of computation (forward, backward, compression) that
       the exchange does not overlap.
     steps: the horizon of a schedule (DGC's warm-up), see

@@ -223,3 +223,30 @@ def test_scaling_tables_have_the_seeds_shapes():
     assert torus[p]["torus"]["bytes"] == pytest.approx(torus[p]["flat"]["bytes"], rel=1e-3)
     assert torus[p]["torus"]["latency_s"] * 10 < torus[p]["flat"]["latency_s"]
   assert torus[4]["flat"]["exchange_s"] == pytest.approx(torus[4]["torus"]["exchange_s"], rel=0.01)
+
+
+def test_per_axis_links_price_each_transfer_at_its_slowest_axis():
+  cost = (wire.Transfer("all-reduce", 4, Fraction(1_000_000), axes=("ici",)),
+          wire.Transfer("all-gather", 2, Fraction(500_000), axes=("dcn",)),
+          wire.Transfer("all-gather", 8, Fraction(250_000)))  # axes not stated: both
+  bandwidth, latency = {"ici": 400.0, "dcn": 2.0}, {"ici": 2.0, "dcn": 40.0}
+  want = ((2 * 3 * 2e-6 + 1e6 * 8 / 400e9)
+          + (1 * 40e-6 + 5e5 * 8 / 2e9)
+          + (7 * 40e-6 + 2.5e5 * 8 / 2e9))
+  assert costmodel.exchange_time(cost, bandwidth, latency) == pytest.approx(want)
+  with pytest.raises(ValueError, match=r"runs over \['ici'\]"):
+    costmodel.exchange_time(cost[:1], {"dcn": 1.0}, 1.0)
+  with pytest.raises(ValueError, match="bandwidth_gbit"):
+    costmodel.exchange_time(cost, {"ici": 0.0, "dcn": 1.0}, 1.0)
+
+
+def test_hierarchical_beats_the_flat_compressor_when_the_slow_links_are_slow():
+  resnet = shapes.resnet50()
+  mesh = {"dcn": 4, "ici": 8}
+  bandwidth, latency = {"ici": 400.0, "dcn": 1.0}, {"ici": 5.0, "dcn": 50.0}
+  flat = costmodel.predict(jaxcomp.gtopk(1e-3, ("dcn", "ici")), resnet, (4, 8),
+                           bandwidth, latency)
+  nested = costmodel.predict(jaxcomp.hierarchical(jaxcomp.gtopk(1e-3, "dcn"), "ici", 8),
+                             resnet, mesh, bandwidth, latency)
+  dense = costmodel.predict(jaxcomp.allreduce(("dcn", "ici")), resnet, (4, 8), bandwidth, latency)
+  assert nested < flat < dense
