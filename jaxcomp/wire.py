@@ -90,6 +90,10 @@ class Transfer(NamedTuple):
   axes: Optional[tuple[str, ...]] = None
 
 
+# The collectives of one step.
+WireCost = tuple[Transfer, ...]
+
+
 def on_axes(cost: WireCost, axes: Sequence[str]) -> WireCost:
   """``cost`` of a compressor over one mesh axis, each transfer labelled with it.
 
