@@ -23,9 +23,9 @@ from jaxcomp import base
 from jaxcomp import deep_gradient_compression
 from jaxcomp import dense
 from jaxcomp import lowrank
-from jaxcomp import stochastic_quantization
 from jaxcomp import quantize
 from jaxcomp import sparsify
+from jaxcomp import stochastic_quantization
 from jaxcomp import wire
 
 # Optimizer states that carry a momentum (first moment) of their own.
@@ -36,7 +36,7 @@ _MOMENTUM_STATES = tuple(
     if hasattr(optax, name))
 
 
-class Method(NamedTuple):
+class Entry(NamedTuple):
   """One registered method.
 
   Attributes:
@@ -63,26 +63,26 @@ class Method(NamedTuple):
 # paper, after warm-up), 1% for random-k (it needs more to converge), rank 4
 # for the low-rank methods (PowerSGD's ImageNet setting), 8 levels (4 bits) for
 # QSGD as in its paper's ImageNet runs.
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("allreduce", dense.allreduce, optax.EmptyState, {},
+METHODS: dict[str, Entry] = {m.name: m for m in (
+    Entry("allreduce", dense.allreduce, optax.EmptyState, {},
            "dense mean, the S-SGD baseline"),
-    Method("cast", dense.cast, optax.EmptyState, {"dtype": "bfloat16"},
+    Entry("cast", dense.cast, optax.EmptyState, {"dtype": "bfloat16"},
            "16-bit values on the wire"),
-    Method("topk", sparsify.topk, sparsify.TopKState, {"density": 0.001},
+    Entry("topk", sparsify.topk, sparsify.TopKState, {"density": 0.001},
            "local top-k, sparse all-gather"),
-    Method("gtopk", sparsify.gtopk, sparsify.GTopKState, {"density": 0.001},
+    Entry("gtopk", sparsify.gtopk, sparsify.GTopKState, {"density": 0.001},
            "global top-k butterfly"),
-    Method("randomk", sparsify.randomk, sparsify.RandomKState, {"density": 0.01},
+    Entry("randomk", sparsify.randomk, sparsify.RandomKState, {"density": 0.01},
            "shared random coordinates, one all-reduce"),
-    Method("dgc", deep_gradient_compression.dgc, deep_gradient_compression.DGCState,
+    Entry("dgc", deep_gradient_compression.dgc, deep_gradient_compression.DGCState,
            {"density": 0.001}, "Deep Gradient Compression", forbids_after=_MOMENTUM_STATES,
            requirement="plain SGD after it, without momentum: the momentum is inside dgc"),
-    Method("signsgd", quantize.signsgd, quantize.SignSGDState, {}, "scaled 1-bit signs"),
-    Method("qsgd", stochastic_quantization.qsgd, stochastic_quantization.QSGDState,
+    Entry("signsgd", quantize.signsgd, quantize.SignSGDState, {}, "scaled 1-bit signs"),
+    Entry("qsgd", stochastic_quantization.qsgd, stochastic_quantization.QSGDState,
            {"levels": 8}, "stochastic quantization, int8 levels"),
-    Method("powersgd", lowrank.powersgd, lowrank.PowerSGDState, {"rank": 4},
+    Entry("powersgd", lowrank.powersgd, lowrank.PowerSGDState, {"rank": 4},
            "rank-r power iteration"),
-    Method("acpsgd", lowrank.acpsgd, lowrank.ACPSGDState, {"rank": 4},
+    Entry("acpsgd", lowrank.acpsgd, lowrank.ACPSGDState, {"rank": 4},
            "alternate P and Q factors"),
 )}
 
@@ -92,7 +92,7 @@ def names() -> tuple[str, ...]:
   return tuple(METHODS)
 
 
-def get(name: str) -> Method:
+def get(name: str) -> Entry:
   """The entry of ``name``; a ``ValueError`` listing the names otherwise."""
   if name not in METHODS:
     raise ValueError(f"`name` must be one of {list(METHODS)}, got {name!r}")
@@ -132,7 +132,7 @@ def check_chain(tx: optax.GradientTransformation, params: optax.Params) -> None:
   markers = tuple(watched) + tuple(t for m in watched.values() for t in m.forbids_after)
   state = jax.eval_shape(tx.init, params)
   leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, markers))
-  active: list[Method] = []
+  active: list[Entry] = []
   for leaf in leaves:
     if type(leaf) in watched:
       active.append(watched[type(leaf)])
