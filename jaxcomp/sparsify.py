@@ -121,7 +121,7 @@ def topk(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.sparse_allgather(base.num_selected(density, bucket.size), _prod(sizes))
+    return wire.sparse_allgather(base.num_selected(density, bucket.size), math.prod(sizes))
 
   return protocol.compressor(protocol.Method(
       name="topk", config=dict(density=density, axis_name=axis_name,
@@ -189,7 +189,7 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.gtopk(base.num_selected(density, bucket.size), _prod(sizes))
+    return wire.gtopk(base.num_selected(density, bucket.size), math.prod(sizes))
 
   return protocol.compressor(protocol.Method(
       name="gtopk", config=dict(density=density, axis_name=axis_name),
@@ -267,7 +267,3 @@ def randomk(
       name="randomk", config=dict(density=density, axis_name=axis_name, seed=seed),
       axes=axes, state=RandomKState, step=step, wire=wire_cost, error_feedback=True,
       seed=seed))
-
-
-def _prod(sizes) -> int:
-  return math.prod(sizes)
