@@ -42,6 +42,7 @@ import optax
 
 from jaxcomp import base
 from jaxcomp import fusion
+from jaxcomp import hierarchy
 from jaxcomp import registry
 
 # loss_fn(params, batch) -> scalar loss over this device's part of the batch.
@@ -287,6 +288,131 @@ def make_pmap_step(
       _guarded_update(tx, loss_fn, has_aux, skip_nonfinite),
       axis_name=axis_name, devices=devices,
   )
+
+
+# ------------------------------------------------------------------------ FSDP
+
+
+def shard_params(params: optax.Params, mesh: Mesh, fast_axis: str) -> optax.Params:
+  """``params`` laid out for :func:`make_fsdp_step`: row blocks sharded over ``fast_axis``.
+
+  Each leaf becomes its matrix view (``(rows, cols)``; a vector stays a
+  vector, a scalar a vector of one), its rows padded with zeros to a multiple
+  of the axis size ``X``, and is sharded over ``fast_axis`` on its first
+  dimension (replicated over the other axes): device ``j`` of a node holds
+  row block ``j``, the shard of :func:`jaxcomp.hierarchy.shard_shapes`.
+  """
+  size = mesh.shape[fast_axis]
+  blocked = jax.tree.map(lambda x: _block_rows(jnp.asarray(x), size), params)
+  return jax.device_put(blocked, NamedSharding(mesh, PartitionSpec(fast_axis)))
+
+
+def gather_params(sharded: optax.Params, like: optax.Params) -> optax.Params:
+  """The whole parameters of :func:`shard_params`' layout, shaped like ``like``."""
+  return jax.tree.map(lambda x, l: _unblock_rows(x, jnp.shape(l)), sharded, like)
+
+
+def _block_rows(x: jax.Array, size: int) -> jax.Array:
+  shape = tuple(x.shape)
+  rows = math.prod(shape[:-1]) if len(shape) >= 2 else max(1, math.prod(shape))
+  block = -(-rows // size)
+  view = x.reshape(rows, shape[-1]) if len(shape) >= 2 else x.reshape(rows)
+  pad = [(0, block * size - rows)] + [(0, 0)] * (view.ndim - 1)
+  return jnp.pad(view, pad)
+
+
+def _unblock_rows(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  rows = math.prod(shape[:-1]) if len(shape) >= 2 else max(1, math.prod(shape))
+  return x[:rows].reshape(shape)
+
+
+def init_fsdp_state(
+    tx: optax.GradientTransformation, params: optax.Params, mesh: Mesh,
+    slow_axis: str, fast_axis: str,
+) -> optax.OptState:
+  """``tx.init`` of one device's shard of ``params``, stacked over both axes.
+
+  Built outside the mesh from the shard shapes: each device then updates the
+  state of its own row blocks (residuals, momenta sized to the shard).
+  """
+  shards = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                        hierarchy.shard_shapes(params, mesh.shape[fast_axis]))
+  registry.check_chain(tx, shards)
+  return stack_per_device(tx.init(shards), mesh, (slow_axis, fast_axis))
+
+
+def make_fsdp_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    slow_axis: str,
+    fast_axis: str,
+    like: optax.Params,
+    *,
+    donate: bool = True,
+    skip_nonfinite: bool = True,
+) -> Callable:
+  """A jitted FSDP step: parameters sharded over the fast axis, ``tx`` over the slow one.
+
+  Each device holds its row blocks of the parameters (:func:`shard_params`);
+  the forward pass all-gathers them over ``fast_axis``, so autodiff returns
+  the gradient of the shard already reduce-scattered over ``fast_axis``
+  (summed over its devices; divided here into their mean); ``tx``, a chain
+  whose compressor is built over ``slow_axis``, then exchanges only the
+  shard across the slow links, and the update stays sharded.
+
+  Args:
+    loss_fn: ``loss_fn(params, local_batch) -> loss`` on whole parameters.
+    tx: e.g. ``optax.chain(jaxcomp.gtopk(1e-3, slow_axis), optax.sgd(0.1))``.
+    mesh: a mesh with both axes.
+    slow_axis: the axis between nodes, where ``tx`` compresses.
+    fast_axis: the axis inside a node, over which the parameters are sharded.
+    like: the whole parameters (or their shapes), for the leaves' shapes.
+    donate: donate the parameter and state buffers.
+    skip_nonfinite: keep parameters and state unchanged on every device when
+      any device's update is not finite.
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` with
+    ``params`` of :func:`shard_params`, ``opt_state`` of
+    :func:`init_fsdp_state`, ``batch`` sharded over both axes.
+  """
+  axes = (slow_axis, fast_axis)
+  whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
+  size = mesh.shape[fast_axis]
+
+  def per_device(shard, stacked_state, batch):
+    state = jax.tree.map(lambda x: x[0], stacked_state)
+
+    def local_loss(shard):
+      blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
+      return loss_fn(gather_params(blocks, whole), batch)
+
+    loss, grads = jax.value_and_grad(local_loss)(shard)
+    grads = jax.tree.map(lambda g: g / size, grads)
+    updates, new_state = tx.update(grads, state, shard)
+    finite = jnp.all(jnp.isfinite(fusion.Bucket.of(updates).flatten(updates)))
+    # Every device's own shard: the skip must be the same on all of them.
+    finite = jax.lax.pmin(finite.astype(jnp.int32), axes) > 0
+    new_shard = optax.apply_updates(shard, updates)
+    if skip_nonfinite:
+      new_shard = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_shard, shard)
+      new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    add_axis = lambda x: jnp.expand_dims(x, 0)
+    metrics = {"loss": loss, "finite": finite}
+    return new_shard, jax.tree.map(add_axis, new_state), jax.tree.map(add_axis, metrics)
+
+  spec = PartitionSpec(axes)
+  sharded = jax.shard_map(
+      per_device, mesh=mesh, in_specs=(PartitionSpec(fast_axis), spec, spec),
+      out_specs=(PartitionSpec(fast_axis), spec, spec), check_vma=False)
+  count = num_replicas(mesh, axes)
+
+  def step(params, opt_state, batch):
+    _check_stacked(opt_state, count, "opt_state")
+    return sharded(params, opt_state, batch)
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
 # ---------------------------------------------------------------- checkpoints
