@@ -418,6 +418,12 @@ def make_fsdp_step(
 # ---------------------------------------------------------------- checkpoints
 
 _REPLICAS_KEY = "jaxcomp_num_replicas"
+_SHAPES_KEY = "jaxcomp_param_shapes"
+
+
+def _param_shapes(params: optax.Params) -> dict[str, list[int]]:
+  return {jax.tree_util.keystr(path): list(jnp.shape(x))
+          for path, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def _checkpointer():
@@ -455,7 +461,7 @@ def save_checkpoint(
   checkpointer.save(
       os.fspath(os.path.abspath(directory)),
       {"params": params, "opt_state": opt_state, "step": int(step)},
-      custom_metadata={_REPLICAS_KEY: replicas},
+      custom_metadata={_REPLICAS_KEY: replicas, _SHAPES_KEY: _param_shapes(params)},
   )
   checkpointer.wait_until_finished()
 
@@ -466,6 +472,8 @@ def restore_checkpoint(
     opt_state: optax.OptState,
     mesh: Mesh,
     axis_name: base.AxisName,
+    *,
+    params_spec: PartitionSpec = PartitionSpec(),
 ) -> tuple[optax.Params, optax.OptState, int]:
   """Reads a checkpoint of :func:`save_checkpoint` onto ``mesh``.
 
@@ -477,20 +485,36 @@ def restore_checkpoint(
       shapes); only its structure is read.
     mesh: the mesh to place the restored arrays on.
     axis_name: the data axis, or the pair of axes, of the per-device state.
+    params_spec: how the parameters are laid out on ``mesh``: replicated
+      (the default), or ``PartitionSpec(fast_axis)`` for the FSDP layout of
+      :func:`shard_params` (with ``axis_name=(slow_axis, fast_axis)``).
 
   Returns:
-    ``(params, opt_state, step)``: parameters replicated and the state stacked
-    per device and sharded over ``axis_name``, as :func:`make_step` takes them.
+    ``(params, opt_state, step)``: parameters laid out by ``params_spec`` and
+    the state stacked per device and sharded over ``axis_name``, as
+    :func:`make_step` (or :func:`make_fsdp_step`) takes them.
 
   Raises:
     ValueError: the checkpoint holds per-device state for another number of
-      devices than ``mesh`` has along ``axis_name``. Each device's residuals
+      devices than ``mesh`` has along ``axis_name`` (each device's residuals
       and momenta are its own, so they are not re-sharded: restore onto the
-      device count the run was saved with.
+      device count the run was saved with), or parameters of other shapes
+      than ``params`` (another layout: FSDP row blocks of another fast-axis
+      size, or replicated against sharded).
   """
   path = os.fspath(os.path.abspath(directory))
   checkpointer = _checkpointer()
-  saved = checkpointer.metadata(path).custom_metadata.get(_REPLICAS_KEY)
+  metadata = checkpointer.metadata(path).custom_metadata
+  saved_shapes = metadata.get(_SHAPES_KEY)
+  if saved_shapes is not None:
+    for leaf, shape in _param_shapes(params).items():
+      if saved_shapes.get(leaf) != shape:
+        raise ValueError(
+            f"the checkpoint in {path} holds parameter {leaf} of shape"
+            f" {saved_shapes.get(leaf)}, but `params` has {shape}: it was saved with"
+            " another layout (FSDP row blocks of another fast-axis size, or replicated"
+            " against sharded); restore it with the layout it was saved with")
+  saved = metadata.get(_REPLICAS_KEY)
   replicas = num_replicas(mesh, axis_name)
   if jax.tree.leaves(opt_state) and saved != replicas:
     raise ValueError(
@@ -507,7 +531,7 @@ def restore_checkpoint(
     )
 
   target = {
-      "params": abstract(params, PartitionSpec()),
+      "params": abstract(params, params_spec),
       "opt_state": abstract(opt_state, _spec(axis_name)),
       "step": 0,
   }

@@ -225,3 +225,29 @@ def test_fsdp_skips_a_non_finite_step_on_every_device():
   for got, was in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
     np.testing.assert_array_equal(got, was)
   assert np.asarray(history[2][2]["finite"]).all()
+
+
+def test_fsdp_checkpoint_resumes_bit_exactly_and_refuses_another_layout(tmp_path):
+  tx = optax.chain(jaxcomp.topk(0.3, "dcn"), optax.sgd(0.05))
+  mesh = training.make_mesh((2, 4), FSDP_AXES)
+  params, batch = _fsdp_problem()
+  step = training.make_fsdp_step(_fsdp_loss, tx, mesh, "dcn", "ici", params, donate=False)
+  batch = training.shard(batch, mesh, FSDP_AXES)
+  shard = training.shard_params(params, mesh, "ici")
+  state = training.init_fsdp_state(tx, params, mesh, "dcn", "ici")
+  shard, state, _ = jax.block_until_ready(step(shard, state, batch))
+  training.save_checkpoint(tmp_path / "ckpt", shard, state, step=1)
+  want_shard, want_state, _ = jax.block_until_ready(step(shard, state, batch))
+  like_shard = training.shard_params(params, mesh, "ici")
+  like_state = training.init_fsdp_state(tx, params, mesh, "dcn", "ici")
+  got_shard, got_state, at = training.restore_checkpoint(
+      tmp_path / "ckpt", like_shard, like_state, mesh, FSDP_AXES,
+      params_spec=jax.sharding.PartitionSpec("ici"))
+  assert at == 1
+  got_shard, got_state, _ = jax.block_until_ready(step(got_shard, got_state, batch))
+  for got, want in zip(jax.tree.leaves((got_shard, got_state)),
+                       jax.tree.leaves((want_shard, want_state))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match=r"parameter \['b'\] of shape \[8\], but `params` has \[6\]"):
+    training.restore_checkpoint(tmp_path / "ckpt", training.replicate(params, mesh), like_state,
+                                mesh, FSDP_AXES)
