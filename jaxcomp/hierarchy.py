@@ -71,19 +71,35 @@ def shard_shapes(params: optax.Params, fast_size: int) -> optax.Params:
       params)
 
 
-def _blocks(leaf: jax.Array, fast_size: int) -> jax.Array:
-  """``f32[X, block * cols]``: the leaf's rows, padded and cut into ``X`` blocks."""
-  rows, cols = _rows_cols(tuple(leaf.shape))
+def row_blocks(x: jax.Array, fast_size: int) -> jax.Array:
+  """The leaf's matrix view (a vector for rank < 2), rows zero-padded to a multiple of ``X``.
+
+  ``[X * block, cols]`` (``[X * block]`` for a vector or a scalar): row block
+  ``j`` (rows ``j * block`` to ``(j + 1) * block - 1``) is device ``j``'s shard.
+  """
+  shape = tuple(x.shape)
+  rows, cols = _rows_cols(shape)
   block = -(-rows // fast_size)
-  matrix = leaf.reshape(rows, cols).astype(jnp.float32)
-  matrix = jnp.pad(matrix, ((0, block * fast_size - rows), (0, 0)))
-  return matrix.reshape(fast_size, block * cols)
+  view = x.reshape(rows, cols) if len(shape) >= 2 else x.reshape(rows)
+  return jnp.pad(view, [(0, block * fast_size - rows)] + [(0, 0)] * (view.ndim - 1))
+
+
+def from_row_blocks(blocked: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The inverse of :func:`row_blocks`: the padding dropped, ``shape`` restored."""
+  rows, _ = _rows_cols(tuple(shape))
+  return blocked[:rows].reshape(shape)
+
+
+def _blocks(leaf: jax.Array, fast_size: int) -> jax.Array:
+  """``f32[X, block * cols]``: :func:`row_blocks` of the leaf, one row per device."""
+  return row_blocks(leaf.astype(jnp.float32), fast_size).reshape(fast_size, -1)
 
 
 def _unblocks(blocks: jax.Array, like: jax.Array) -> jax.Array:
   """The inverse of :func:`_blocks`: ``[X, block * cols]`` back to ``like``'s shape and dtype."""
-  rows, cols = _rows_cols(tuple(like.shape))
-  return blocks.reshape(-1, cols)[:rows].reshape(like.shape).astype(like.dtype)
+  _, cols = _rows_cols(tuple(like.shape))
+  blocked = blocks.reshape((-1, cols) if like.ndim >= 2 else (-1,))
+  return from_row_blocks(blocked, tuple(like.shape)).astype(like.dtype)
 
 
 def hierarchical(

@@ -303,27 +303,13 @@ def shard_params(params: optax.Params, mesh: Mesh, fast_axis: str) -> optax.Para
   row block ``j``, the shard of :func:`jaxcomp.hierarchy.shard_shapes`.
   """
   size = mesh.shape[fast_axis]
-  blocked = jax.tree.map(lambda x: _block_rows(jnp.asarray(x), size), params)
+  blocked = jax.tree.map(lambda x: hierarchy.row_blocks(jnp.asarray(x), size), params)
   return jax.device_put(blocked, NamedSharding(mesh, PartitionSpec(fast_axis)))
 
 
 def gather_params(sharded: optax.Params, like: optax.Params) -> optax.Params:
   """The whole parameters of :func:`shard_params`' layout, shaped like ``like``."""
-  return jax.tree.map(lambda x, l: _unblock_rows(x, jnp.shape(l)), sharded, like)
-
-
-def _block_rows(x: jax.Array, size: int) -> jax.Array:
-  shape = tuple(x.shape)
-  rows = math.prod(shape[:-1]) if len(shape) >= 2 else max(1, math.prod(shape))
-  block = -(-rows // size)
-  view = x.reshape(rows, shape[-1]) if len(shape) >= 2 else x.reshape(rows)
-  pad = [(0, block * size - rows)] + [(0, 0)] * (view.ndim - 1)
-  return jnp.pad(view, pad)
-
-
-def _unblock_rows(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  rows = math.prod(shape[:-1]) if len(shape) >= 2 else max(1, math.prod(shape))
-  return x[:rows].reshape(shape)
+  return jax.tree.map(lambda x, l: hierarchy.from_row_blocks(x, jnp.shape(l)), sharded, like)
 
 
 def init_fsdp_state(
