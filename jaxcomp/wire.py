@@ -270,16 +270,6 @@ def _array_bytes(type_text: str) -> list[int]:
   return sizes
 
 
-def _group_size(line: str, num_devices: int) -> int:
-  explicit = re.search(r"replica_groups=\{(\{[0-9,]*\})", line)
-  if explicit:
-    return len([d for d in explicit.group(1).strip("{}").split(",") if d])
-  iota = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
-  if iota:
-    return int(iota.group(1).split(",")[-1])
-  return num_devices
-
-
 def _buffer_bytes(kind: str, type_text: str, is_start: bool, group: int) -> int:
   """Bytes of the buffer the ring formula is stated on (HLO prints results only)."""
   sizes = _array_bytes(type_text)
@@ -414,9 +404,13 @@ def collective_bytes(compiled: Any, *, mesh_shape: Optional[Mapping[str, int]] =
           # branch (a selection's exact fallback) stays in that branch.
           visit(callee, weight * share, index if branch is None else branch)
         continue
-      group = 1 if op == Kind.COLLECTIVE_PERMUTE else _group_size(line, num_devices)
+      groups = _groups(line)
+      if op == Kind.COLLECTIVE_PERMUTE:
+        group = 1
+      else:
+        group = num_devices if groups is None else len(groups[0])
       buffer = _buffer_bytes(op, match.group("type"), bool(match.group("start")), group)
-      axes = None if mesh_shape is None else _axes_of(_groups(line), mesh_shape)
+      axes = None if mesh_shape is None else _axes_of(groups, mesh_shape)
       ops.append(CollectiveOp(
           name=match.group("name"), kind=op, group_size=group, buffer_bytes=buffer,
           bytes=ring_bytes(op, group, buffer), weight=weight, branch=branch, axes=axes,
@@ -457,19 +451,8 @@ def expected_bytes(
   Raises:
     TypeError: ``tx`` holds no jaxcomp compressor.
   """
-  specs = protocol.find_specs(tx)
-  if not specs:
-    raise TypeError(
-        "`tx` must be a jaxcomp compressor or a transformation that holds one"
-        f" (optax.chain, optax.MultiSteps, ...); found none in {type(tx).__name__}"
-    )
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-  items = []
-  for spec in specs:
-    sizes = base.normalize_axis_sizes(spec.axes, num_devices)
-    for t in on_axes(spec.wire(shapes, sizes, steps), spec.axes):
-      items.append((t.kind, t.bytes, t.weight, t.branch, t.axes))
-  return _tally(items)
+  return _tally((t.kind, t.bytes, t.weight, t.branch, t.axes)
+                for t in transfers(tx, params, num_devices, steps=steps))
 
 
 def transfers(
@@ -479,7 +462,10 @@ def transfers(
   """The :class:`Transfer` tuples of every compressor in ``tx`` (what a cost model prices)."""
   specs = protocol.find_specs(tx)
   if not specs:
-    raise TypeError(f"`tx` holds no jaxcomp compressor: {type(tx).__name__}")
+    raise TypeError(
+        "`tx` must be a jaxcomp compressor or a transformation that holds one"
+        f" (optax.chain, optax.MultiSteps, ...); {type(tx).__name__} holds no jaxcomp"
+        " compressor")
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
   cost = ()
   for spec in specs:
