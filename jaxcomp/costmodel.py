@@ -43,8 +43,6 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -135,10 +133,6 @@ def exchange_time(
   return seconds
 
 
-def _shapes(params: optax.Params):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-
-
 def predict(
     tx: optax.GradientTransformation,
     params: optax.Params,
@@ -168,7 +162,7 @@ def predict(
   """
   if not compute_s >= 0:
     raise ValueError(f"`compute_s` must be in [0, inf), got {compute_s}")
-  cost = wire.transfers(tx, _shapes(params), num_devices, steps=steps)
+  cost = wire.transfers(tx, params, num_devices, steps=steps)
   return compute_s + exchange_time(cost, bandwidth_gbit, latency_us)
 
 
@@ -215,13 +209,12 @@ def recommend(
   else:
     axis_name = ("x", "y")
     num_devices = tuple(num_devices)
-  shapes = _shapes(params)
   ranked = []
   for name in names:
     config = registry.configuration(name, **configs.get(name, {}))
     tx = registry.build(name, axis_name, **config)
     seconds = predict(
-        tx, shapes, num_devices, bandwidth_gbit, latency_us,
+        tx, params, num_devices, bandwidth_gbit, latency_us,
         compute_s=base_compute_s + compute_s.get(name, 0.0),
     )
     ranked.append(Recommendation(name, seconds, config))
