@@ -98,10 +98,15 @@ class Bucket:
         for o, n, s in zip(self.offsets, self.sizes, self.shapes)
     ]
 
-  def unflatten(self, flat: jax.Array, like: chex.ArrayTree) -> chex.ArrayTree:
-    """``like`` with the bucket's leaves replaced by ``flat``'s, in their dtypes."""
-    return scatter_leaves(like, {i: x.astype(d) for i, x, d in zip(
-        self.leaves, self.split(flat), self.dtypes)})
+  def unflatten(self, flat, like: chex.ArrayTree) -> chex.ArrayTree:
+    """``like`` with the bucket's leaves replaced by ``flat``'s, in their dtypes.
+
+    ``flat`` is ``f32[size]``, or one array per leaf (any shape of the
+    leaf's size: a method may build each leaf's values apart).
+    """
+    parts = flat if isinstance(flat, (list, tuple)) else self.split(flat)
+    return scatter_leaves(like, {i: x.reshape(s).astype(d) for i, x, s, d in zip(
+        self.leaves, parts, self.shapes, self.dtypes)})
 
 
 def concat(parts: list[jax.Array]) -> jax.Array:

@@ -272,12 +272,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       ctx = dataclasses.replace(ctx, finite=jnp.all(jnp.isfinite(corrected)))
 
     out = method.step(ctx, corrected, state)
-    if isinstance(out.mean, (list, tuple)):
-      result = fusion.scatter_leaves(updates, {
-          i: m.reshape(s).astype(d)
-          for i, m, s, d in zip(bucket.leaves, out.mean, bucket.shapes, bucket.dtypes)})
-    else:
-      result = bucket.unflatten(out.mean, like=updates)
+    result = bucket.unflatten(out.mean, like=updates)
     if not fields:
       return result, state
     new.update(out.state)
