@@ -263,7 +263,7 @@ def dgc(
     cost = wire.mean(bucket.size - n_s, sizes)
     if not n_s:
       return cost
-    stages = [wire.sparse_allgather(k, math.prod(sizes))
+    stages = [wire.sparse_allgather(k, sizes)
               for k in _stage_ks(density, warmup_steps, n_s)]
     if not warmup_steps:
       return stages[0] + cost

@@ -197,15 +197,15 @@ def hierarchical(
     return result, HierarchicalState(inner=kept)
 
   def wire_cost(shapes, sizes, steps):
-    slow_sizes, (fast,) = tuple(sizes[:-1]), sizes[-1:]
+    fast = sizes[fast_axis]
     shard = shard_shapes(shapes, fast_size)
     padded = fast * fusion.Bucket.of(shard).size
     itemsize = 4 if wire_dtype is None else wire_dtype.itemsize
     scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
-    fast_cost = (wire.transfer(scatter, fast, padded * itemsize),
-                 wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize))
-    return (wire.on_axes(fast_cost, (fast_axis,))
-            + wire.on_axes(inner_spec.wire(shard, slow_sizes, steps), inner_spec.axes))
+    fast_cost = (wire.transfer(scatter, fast, padded * itemsize, (fast_axis,)),
+                 wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize, (fast_axis,)))
+    slow_sizes = {a: sizes[a] for a in inner_spec.axes}
+    return fast_cost + inner_spec.wire(shard, slow_sizes, steps)
 
   protocol.attach_spec(update_fn, protocol.Spec(
       name=inner_spec.name,

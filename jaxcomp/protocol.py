@@ -153,13 +153,14 @@ class Spec:
     config: the factory's arguments (``axis_name`` included).
     axes: its mesh axes.
     wire: ``wire(shapes, axis_sizes, steps) -> WireCost``, the transfers of
-      one step for gradients shaped like ``shapes``.
+      one step for gradients shaped like ``shapes``; ``axis_sizes`` maps each
+      of ``axes`` to its size, and each transfer names the axes it crosses.
   """
 
   name: str
   config: Mapping[str, Any]
   axes: tuple[str, ...]
-  wire: Callable[[Any, tuple[int, ...], Optional[int]], tuple]
+  wire: Callable[[Any, Mapping[str, int], Optional[int]], tuple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,9 @@ class Method:
     step: ``step(ctx, corrected, state) -> Output``; ``corrected`` is
       ``f32[ctx.bucket.size]``, ``state`` the old state.
     wire: ``wire(bucket, axis_sizes, steps) -> WireCost`` (see
-      :mod:`jaxcomp.wire`) for the bucket ``layout`` makes of the shapes.
+      :mod:`jaxcomp.wire`) for the bucket ``layout`` makes of the shapes;
+      ``axis_sizes`` maps each of ``axes`` to its size (pass it to the
+      :mod:`jaxcomp.wire` helpers, which label each transfer with its axes).
     init: ``init(params, bucket) -> dict`` of the method's own fields.
     layout: ``layout(tree) -> Bucket``: which leaves, in which order.
     error_feedback: keep a per-device residual (``state.residual``).
@@ -195,7 +198,7 @@ class Method:
   axes: tuple[str, ...]
   state: type
   step: Callable[[Context, jax.Array, Any], Output]
-  wire: Callable[[fusion.Bucket, tuple[int, ...], Optional[int]], tuple]
+  wire: Callable[[fusion.Bucket, Mapping[str, int], Optional[int]], tuple]
   init: Optional[Callable[[optax.Params, fusion.Bucket], dict]] = None
   layout: Callable[[chex.ArrayTree], fusion.Bucket] = fusion.Bucket.of
   error_feedback: bool = False
@@ -288,7 +291,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     return result, jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
 
   def wire(shapes, axis_sizes, steps=None):
-    return method.wire(method.layout(shapes), tuple(axis_sizes), steps)
+    return method.wire(method.layout(shapes), axis_sizes, steps)
 
   attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire))
   return optax.GradientTransformation(init_fn, update_fn)

@@ -6,7 +6,6 @@ with which it shares its code.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Union
 
 import jax
@@ -133,7 +132,7 @@ def signsgd(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.allgather(-(-bucket.size // 8) + _SCALE_BYTES, math.prod(sizes))
+    return wire.allgather(-(-bucket.size // 8) + _SCALE_BYTES, sizes)
 
   return protocol.compressor(protocol.Method(
       name="signsgd",

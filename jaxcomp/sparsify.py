@@ -9,7 +9,6 @@ What is not sent stays in the residual (error feedback, on the shared path).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -121,7 +120,7 @@ def topk(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.sparse_allgather(base.num_selected(density, bucket.size), math.prod(sizes))
+    return wire.sparse_allgather(base.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
       name="topk", config=dict(density=density, axis_name=axis_name,
@@ -189,7 +188,7 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.gtopk(base.num_selected(density, bucket.size), math.prod(sizes))
+    return wire.gtopk(base.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
       name="gtopk", config=dict(density=density, axis_name=axis_name),

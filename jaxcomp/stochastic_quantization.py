@@ -174,10 +174,9 @@ def qsgd(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    devices = math.prod(sizes)
-    block, chunk = _chunk(bucket.size, devices, bucket_size)
+    block, chunk = _chunk(bucket.size, math.prod(sizes.values()), bucket_size)
     message = chunk + 4 * (chunk // block)
-    return wire.all_to_all(message, devices) + wire.allgather(message, devices)
+    return wire.all_to_all(message, sizes) + wire.allgather(message, sizes)
 
   return protocol.compressor(protocol.Method(
       name="qsgd",

@@ -94,23 +94,33 @@ class Transfer(NamedTuple):
 WireCost = tuple[Transfer, ...]
 
 
-def on_axes(cost: WireCost, axes: Sequence[str]) -> WireCost:
-  """``cost`` of a compressor over one mesh axis, each transfer labelled with it.
-
-  A compressor over a pair of axes (the torus) runs some collectives along one
-  axis and some over both; its transfers keep ``axes=None`` and count in
-  ``by_axes`` only through :func:`collective_bytes`, which reads each one's
-  device groups. Transfers already labelled keep their label.
-  """
-  axes = tuple(axes)
-  if len(axes) != 1:
-    return tuple(cost)
-  return tuple(t if t.axes is not None else t._replace(axes=axes) for t in cost)
+# The devices of a collective: a count, one size per axis, or the axes' names
+# and sizes in mesh order (then every transfer is labelled with the axes it
+# crosses, as :func:`collective_bytes` reads them from the program).
+Group = Union[int, Sequence[int], Mapping[str, int]]
 
 
-def transfer(kind: str, group: int, buffer_bytes) -> Transfer:
+def _group(group: Group) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]:
+  """``(sizes, names)`` of a :data:`Group` (``names`` is ``None`` when not given)."""
+  if isinstance(group, Mapping):
+    return tuple(int(s) for s in group.values()), tuple(group)
+  if isinstance(group, (int, np.integer)):
+    return (int(group),), None
+  return tuple(int(s) for s in group), None
+
+
+def _crossed(names: Optional[tuple[str, ...]], sizes: tuple[int, ...], distance: int):
+  """The axes along which devices ``0`` and ``distance`` (in mesh order) differ."""
+  if names is None:
+    return None
+  coords = np.unravel_index(distance, sizes)
+  return tuple(n for n, c in zip(names, coords) if c)
+
+
+def transfer(kind: str, group: int, buffer_bytes, axes: Optional[Sequence[str]] = None) -> Transfer:
   """A :class:`Transfer` of a ``buffer_bytes`` buffer, priced by :func:`ring_bytes`."""
-  return Transfer(Kind(kind).value, group, ring_bytes(kind, group, buffer_bytes))
+  return Transfer(Kind(kind).value, group, ring_bytes(kind, group, buffer_bytes),
+                  axes=None if axes is None else tuple(axes))
 
 
 def in_branch(cost: WireCost, branch: int, weight) -> WireCost:
@@ -118,27 +128,29 @@ def in_branch(cost: WireCost, branch: int, weight) -> WireCost:
   return tuple(t._replace(weight=t.weight * Fraction(weight), branch=branch) for t in cost)
 
 
-def allreduce(nbytes: int, group: int) -> WireCost:
-  """Ring all-reduce of a ``nbytes`` buffer over ``group`` devices."""
-  return (transfer(Kind.ALL_REDUCE, group, nbytes),)
+def allreduce(nbytes: int, group: Group) -> WireCost:
+  """Ring all-reduce of a ``nbytes`` buffer over ``group``'s devices."""
+  sizes, names = _group(group)
+  return (transfer(Kind.ALL_REDUCE, math.prod(sizes), nbytes, names),)
 
 
 def _itemsize(wire_dtype) -> int:
   return 4 if wire_dtype is None else jnp.dtype(wire_dtype).itemsize
 
 
-def _reduce(n: int, sizes: tuple[int, ...], itemsize: int) -> WireCost:
+def _reduce(n: int, sizes: tuple[int, ...], names, itemsize: int) -> WireCost:
   if len(sizes) == 1 and itemsize == 4:
-    return allreduce(n * itemsize, sizes[0])
-  size = sizes[0]
+    return allreduce(n * itemsize, sizes if names is None else dict(zip(names, sizes)))
+  size, axis = sizes[0], None if names is None else names[:1]
   padded = -(-n // size) * size
   scatter = Kind.REDUCE_SCATTER if itemsize == 4 else Kind.ALL_TO_ALL
-  inner = _reduce(padded // size, sizes[1:], itemsize) if len(sizes) > 1 else ()
-  return (transfer(scatter, size, padded * itemsize), *inner,
-          transfer(Kind.ALL_GATHER, size, padded * itemsize))
+  inner = (_reduce(padded // size, sizes[1:], names and names[1:], itemsize)
+           if len(sizes) > 1 else ())
+  return (transfer(scatter, size, padded * itemsize, axis), *inner,
+          transfer(Kind.ALL_GATHER, size, padded * itemsize, axis))
 
 
-def mean(n: int, axis_sizes: Sequence[int], *, wire_dtype=None) -> WireCost:
+def mean(n: int, axis_sizes: Group, *, wire_dtype=None) -> WireCost:
   """:func:`jaxcomp.collectives.mean` of ``n`` f32 elements over axes of these sizes.
 
   One axis in f32: a ring all-reduce. A pair of axes (the 2D torus) or a
@@ -148,41 +160,52 @@ def mean(n: int, axis_sizes: Sequence[int], *, wire_dtype=None) -> WireCost:
   """
   if n == 0:
     return ()
-  return _reduce(n, tuple(axis_sizes), _itemsize(wire_dtype))
+  sizes, names = _group(axis_sizes)
+  return _reduce(n, sizes, names, _itemsize(wire_dtype))
 
 
 def torus_allreduce(n: int, rows: int, cols: int, itemsize: int = 4) -> WireCost:
   """:func:`jaxcomp.collectives.torus_allreduce` of ``n`` elements on ``rows x cols``."""
-  return _reduce(n, (rows, cols), itemsize)
+  return _reduce(n, (rows, cols), None, itemsize)
 
 
-def allgather(nbytes: int, group: int) -> WireCost:
-  """All-gather of ``nbytes`` from each of ``group`` devices: ``(G - 1) * nbytes``."""
-  return (transfer(Kind.ALL_GATHER, group, group * nbytes),)
+def allgather(nbytes: int, group: Group) -> WireCost:
+  """All-gather of ``nbytes`` from each of ``group``'s G devices: ``(G - 1) * nbytes``."""
+  sizes, names = _group(group)
+  devices = math.prod(sizes)
+  return (transfer(Kind.ALL_GATHER, devices, devices * nbytes, names),)
 
 
-def all_to_all(nbytes: int, group: int) -> WireCost:
-  """All-to-all of ``nbytes`` to each of ``group`` devices: ``(G - 1) * nbytes``."""
-  return (transfer(Kind.ALL_TO_ALL, group, group * nbytes),)
+def all_to_all(nbytes: int, group: Group) -> WireCost:
+  """All-to-all of ``nbytes`` to each of ``group``'s G devices: ``(G - 1) * nbytes``."""
+  sizes, names = _group(group)
+  devices = math.prod(sizes)
+  return (transfer(Kind.ALL_TO_ALL, devices, devices * nbytes, names),)
 
 
-def sparse_allgather(k: int, group: int, value_itemsize: int = 4) -> WireCost:
+def sparse_allgather(k: int, group: Group, value_itemsize: int = 4) -> WireCost:
   """``(P - 1) * k * (value bytes + 4)``: all-gathers of ``k`` values and ``k`` int32 indices."""
   return allgather(k * value_itemsize, group) + allgather(k * 4, group)
 
 
-def gtopk(k: int, group: int, value_itemsize: int = 4) -> WireCost:
+def gtopk(k: int, group: Group, value_itemsize: int = 4) -> WireCost:
   """The gTop-k butterfly: ``log2(P)`` permutes of ``k`` values and ``k`` indices.
 
   For P not a power of two the fold and the send-back count as two more
   rounds, as the compiled program holds them (only the extra devices and
-  their partners use them).
+  their partners use them). Over named axes, round ``r`` is labelled with
+  the axes along which devices ``0`` and ``2**r`` differ (the fold and the
+  send-back: ``0`` and ``Q``, the largest power of two below P).
   """
-  power = 1 << (group.bit_length() - 1)
-  rounds = power.bit_length() - 1 + (2 if group != power else 0)
+  sizes, names = _group(group)
+  devices = math.prod(sizes)
+  power = 1 << (devices.bit_length() - 1)
+  distances = [1 << r for r in range(power.bit_length() - 1)]
+  if devices != power:
+    distances = [power] + distances + [power]
   return tuple(
-      transfer(Kind.COLLECTIVE_PERMUTE, 1, k * itemsize)
-      for _ in range(rounds) for itemsize in (value_itemsize, 4)
+      transfer(Kind.COLLECTIVE_PERMUTE, 1, k * itemsize, _crossed(names, sizes, d))
+      for d in distances for itemsize in (value_itemsize, 4)
   )
 
 
@@ -470,5 +493,5 @@ def transfers(
   cost = ()
   for spec in specs:
     sizes = base.normalize_axis_sizes(spec.axes, num_devices)
-    cost += on_axes(spec.wire(shapes, sizes, steps), spec.axes)
+    cost += spec.wire(shapes, dict(zip(spec.axes, sizes)), steps)
   return cost
