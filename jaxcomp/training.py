@@ -99,11 +99,22 @@ def shard(batch: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.A
   return jax.device_put(batch, NamedSharding(mesh, _spec(axis_name)))
 
 
+def _state_sharding(mesh: Mesh, axis_name: base.AxisName, leaf) -> NamedSharding:
+  """Per-device state is sharded over the data axes; a zero-size leaf is replicated.
+
+  A step's zero-size outputs come back replicated (they hold nothing to
+  shard), so the state goes in the same way and the step compiles once.
+  """
+  empty = math.prod(jnp.shape(leaf)) == 0
+  return NamedSharding(mesh, PartitionSpec() if empty else _spec(axis_name))
+
+
 def stack_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
   """Each leaf copied once per device along a new leading axis, sharded over it."""
   count = num_replicas(mesh, axis_name)
-  stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + jnp.shape(x)), tree)
-  return jax.device_put(stacked, NamedSharding(mesh, _spec(axis_name)))
+  return jax.tree.map(
+      lambda x: jax.device_put(jnp.broadcast_to(x, (count,) + jnp.shape(x)),
+                               _state_sharding(mesh, axis_name, x)), tree)
 
 
 def init_state(
@@ -303,8 +314,11 @@ def shard_params(params: optax.Params, mesh: Mesh, fast_axis: str) -> optax.Para
   row block ``j``, the shard of :func:`jaxcomp.hierarchy.shard_shapes`.
   """
   size = mesh.shape[fast_axis]
-  blocked = jax.tree.map(lambda x: hierarchy.row_blocks(jnp.asarray(x), size), params)
-  return jax.device_put(blocked, NamedSharding(mesh, PartitionSpec(fast_axis)))
+  # A zero-size leaf is replicated: the step returns it so (see _state_sharding).
+  return jax.tree.map(
+      lambda x: jax.device_put(hierarchy.row_blocks(jnp.asarray(x), size),
+                               NamedSharding(mesh, PartitionSpec(
+                                   fast_axis if math.prod(jnp.shape(x)) else None))), params)
 
 
 def gather_params(sharded: optax.Params, like: optax.Params) -> optax.Params:
@@ -362,6 +376,12 @@ def make_fsdp_step(
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` with
     ``params`` of :func:`shard_params`, ``opt_state`` of
     :func:`init_fsdp_state`, ``batch`` sharded over both axes.
+
+  Wire: exactly what ``jaxcomp.hierarchical(compressor, fast_axis, X)`` sends
+  (``wire.expected_bytes(..., mesh.shape).by_axes``): the parameters'
+  all-gather and the gradient's reduce-scatter over ``fast_axis`` are its
+  fast-axis transfers, the compressor's formula for the shard runs over
+  ``slow_axis``; plus one int32 all-reduce over both axes for the skip.
   """
   axes = (slow_axis, fast_axis)
   whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
@@ -412,6 +432,21 @@ def _param_shapes(params: optax.Params) -> dict[str, list[int]]:
           for path, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
+def _drop_empty(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """``tree`` with its zero-size leaves as ``None`` (orbax cannot write them; they hold nothing)."""
+  return jax.tree.map(lambda x: None if math.prod(jnp.shape(x)) == 0 else x, tree)
+
+
+def _refill_empty(restored: chex.ArrayTree, like: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
+  """The inverse of :func:`_drop_empty`: ``like``'s zero-size leaves put back, replicated."""
+  leaves, treedef = jax.tree.flatten(like)
+  kept = iter(jax.tree.leaves(restored))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return treedef.unflatten([
+      jax.device_put(jnp.zeros(jnp.shape(x), x.dtype), replicated)
+      if math.prod(jnp.shape(x)) == 0 else next(kept) for x in leaves])
+
+
 def _checkpointer():
   """orbax's checkpointer; orbax is an optional dependency (``jaxcomp[checkpoint]``)."""
   try:
@@ -446,7 +481,7 @@ def save_checkpoint(
   checkpointer = _checkpointer()
   checkpointer.save(
       os.fspath(os.path.abspath(directory)),
-      {"params": params, "opt_state": opt_state, "step": int(step)},
+      {"params": _drop_empty(params), "opt_state": _drop_empty(opt_state), "step": int(step)},
       custom_metadata={_REPLICAS_KEY: replicas, _SHAPES_KEY: _param_shapes(params)},
   )
   checkpointer.wait_until_finished()
@@ -512,9 +547,8 @@ def restore_checkpoint(
 
   def abstract(tree, spec):
     sharding = NamedSharding(mesh, spec)
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=sharding), tree
-    )
+    return _drop_empty(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=sharding), tree))
 
   target = {
       "params": abstract(params, params_spec),
@@ -522,4 +556,5 @@ def restore_checkpoint(
       "step": 0,
   }
   restored = checkpointer.restore(path, target)
-  return restored["params"], restored["opt_state"], int(restored["step"])
+  return (_refill_empty(restored["params"], params, mesh),
+          _refill_empty(restored["opt_state"], opt_state, mesh), int(restored["step"]))

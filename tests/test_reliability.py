@@ -1,15 +1,19 @@
 """Reliability of every registered compressor, trained end to end on 8 fake CPU devices.
 
-For every compressor and mesh (a ring of 8 on axis ``data``, a 2x4 torus on
-``("x", "y")``) one run of 200 steps of a small MLP through
-:func:`jaxcomp.training.make_step` records what the tests read:
+For every compressor and layout one run of 200 steps of a small MLP records
+what the tests read. The layouts: a ring of 8 on axis ``data`` and a 2x4
+torus on ``("x", "y")`` (:func:`jaxcomp.training.make_step`); on a 2x4 mesh
+``("dcn", "ici")``, the compressor on the slow axis only, with replicated
+parameters (:func:`jaxcomp.hierarchical`, ``hierarchical``) and with the
+parameters sharded over the fast axis (:func:`jaxcomp.training.make_fsdp_step`,
+``fsdp``). Recorded:
 
 * the parameters on every device at steps 100 and 200 (replica sync);
 * how often the step was traced (compile once, DGC's warm-up and ACP-SGD's
   alternation included);
-* a non-finite gradient on one device at step ``BAD_STEP`` (NaN on the ring,
-  Inf on the torus): on the ring the training helper's own skip drops it, on
-  the torus ``optax.apply_if_finite`` placed after the compressor does;
+* a non-finite gradient on one device at step ``BAD_STEP`` (Inf on the torus,
+  NaN elsewhere): on the torus ``optax.apply_if_finite`` placed after the
+  compressor drops it, elsewhere the training helper's own skip does;
 * a checkpoint written at step 50, which a fresh process restores and trains
   for 50 more steps: bit for bit the run's state at step 100.
 
@@ -45,7 +49,9 @@ RESUME_STEPS = 50
 BAD_STEP = 20
 BAD_DEVICE = 3
 PER_DEVICE_BATCH = 8
-MESHES = {"ring": (8, ("data",)), "torus": ((2, 4), ("x", "y"))}
+MESHES = {"ring": (8, ("data",)), "torus": ((2, 4), ("x", "y")),
+          "hierarchical": ((2, 4), ("dcn", "ici")), "fsdp": ((2, 4), ("dcn", "ici"))}
+SLOW, FAST = "dcn", "ici"
 
 # Every registered method, configured for the MLP below (n = 676): what a
 # model this small needs to send anything, and DGC with all five of its parts.
@@ -70,13 +76,13 @@ def _axis(names):
 
 
 def _optimizer(name: str, mesh_name: str) -> optax.GradientTransformation:
-  """adamw (SGD after DGC) on the ring, SGD behind ``apply_if_finite`` on the torus.
+  """SGD behind ``apply_if_finite`` on the torus, adamw (SGD after DGC) elsewhere.
 
   DGC carries its momentum inside, so plain SGD follows it (the registry
   refuses a momentum optimizer after it).
   """
   carries_momentum = bool(registry.get(name).forbids_after)
-  if mesh_name == "ring":
+  if mesh_name != "torus":
     return optax.sgd(0.05) if carries_momentum else optax.adamw(1e-2)
   sgd = optax.sgd(0.05) if carries_momentum else optax.sgd(0.05, momentum=0.9)
   return optax.apply_if_finite(sgd, max_consecutive_errors=5)
@@ -117,22 +123,45 @@ class _Setup:
     self.axis = _axis(names)
     self.mesh = training.make_mesh(shape, names)
     self.devices = training.num_replicas(self.mesh, self.axis)
-    self.bad = np.nan if mesh_name == "ring" else np.inf
-    self.tx = optax.chain(COMPRESSORS[name](self.axis), _optimizer(name, mesh_name))
+    self.fsdp = mesh_name == "fsdp"
+    self.helper_skips = mesh_name != "torus"
+    self.bad = np.inf if mesh_name == "torus" else np.nan
+    if mesh_name == "hierarchical":
+      compressor = jaxcomp.hierarchical(COMPRESSORS[name](SLOW), FAST, shape[1])
+    else:
+      compressor = COMPRESSORS[name](SLOW if self.fsdp else self.axis)
+    self.tx = optax.chain(compressor, _optimizer(name, mesh_name))
     self.traces = 0
 
     def counted_loss(params, batch):
       self.traces += 1
       return _loss(params, batch)
 
-    self.step = training.make_step(
-        counted_loss, self.tx, self.mesh, self.axis,
-        skip_nonfinite=mesh_name == "ring")
+    if self.fsdp:
+      self.step = training.make_fsdp_step(
+          counted_loss, self.tx, self.mesh, SLOW, FAST, _init_params())
+    else:
+      self.step = training.make_step(
+          counted_loss, self.tx, self.mesh, self.axis, skip_nonfinite=self.helper_skips)
 
   def fresh(self):
     params = _init_params()
+    if self.fsdp:
+      return (training.shard_params(params, self.mesh, FAST),
+              training.init_fsdp_state(self.tx, params, self.mesh, SLOW, FAST))
     return (training.replicate(params, self.mesh),
             training.init_state(self.tx, params, self.mesh, self.axis))
+
+  def restore(self, directory: str):
+    """``fresh()``'s parameters and state, read from the checkpoint in ``directory``."""
+    params, state = self.fresh()
+    spec = jax.sharding.PartitionSpec(FAST if self.fsdp else None)
+    return training.restore_checkpoint(
+        directory, params, state, self.mesh, self.axis, params_spec=spec)
+
+  def twin(self, device: int) -> int:
+    """The device whose parameters ``device``'s must equal: same row block under FSDP."""
+    return device % self.mesh.shape[FAST] if self.fsdp else 0
 
   def train(self, params, state, first: int, last: int, on_step=None):
     """Steps ``first`` to ``last - 1``; ``on_step(step, params, state, metrics)`` after each."""
@@ -150,9 +179,10 @@ def _per_device(tree):
 
   def rows(x):
     shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
-    if x.sharding.is_fully_replicated:
-      return np.stack([np.asarray(s.data) for s in shards])
-    return np.asarray(x)
+    stacked = x.shape[0] == len(shards) and all(s.data.shape[0] == 1 for s in shards)
+    if stacked and not x.sharding.is_fully_replicated:
+      return np.asarray(x)  # the per-device state: one row per device already
+    return np.stack([np.asarray(s.data) for s in shards])  # parameters, whole or row blocks
 
   return jax.tree.map(rows, tree)
 
@@ -199,11 +229,12 @@ def run(checkpoints):
 @pytest.mark.parametrize("name,mesh_name", CASES)
 def test_replicas_stay_bitwise_identical(run, name, mesh_name):
   record = run(name, mesh_name)
+  twin = record["setup"].twin
   for step in (100, STEPS):
     for leaf in _flat(record["params"][step]):
       for device in range(1, leaf.shape[0]):
         np.testing.assert_array_equal(
-            leaf[device], leaf[0], err_msg=f"step {step}, device {device}")
+            leaf[device], leaf[twin(device)], err_msg=f"step {step}, device {device}")
   first, last = record["loss"][BAD_STEP + 2].mean(), record["loss"][STEPS].mean()
   assert last < first, f"{name} did not learn: loss {first} -> {last}"
 
@@ -225,7 +256,7 @@ def test_non_finite_on_one_device_skips_the_step_everywhere(run, name, mesh_name
   for leaf_before, leaf_after in zip(_flat(record["params"][before]),
                                      _flat(record["params"][after])):
     np.testing.assert_array_equal(leaf_after, leaf_before)
-  if mesh_name == "ring":  # the training helper's own skip
+  if record["setup"].helper_skips:
     assert not record["finite"][after].any()
     assert all(record["finite"][s].all() for s in record["finite"] if s != after)
   else:  # apply_if_finite after the compressor counted it on every device
@@ -262,9 +293,7 @@ def test_update_returns_non_finite_on_every_device_for_every_compressor():
 def _resume(name: str, mesh_name: str, checkpoint_dir: str, out: str) -> None:
   """The fresh process: restore step 50, train 50 steps, save every device's state."""
   setup = _Setup(name, mesh_name)
-  params, state = setup.fresh()
-  params, state, step = training.restore_checkpoint(
-      checkpoint_dir, params, state, setup.mesh, setup.axis)
+  params, state, step = setup.restore(checkpoint_dir)
   assert step == CHECKPOINT_STEP, step
   params, state = setup.train(params, state, step, step + RESUME_STEPS)
   leaves = _flat(_per_device(params)) + _flat(_per_device(state))
@@ -290,7 +319,7 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_process(
       np.testing.assert_array_equal(got[f"arr_{i}"], expected, err_msg=f"leaf {i}")
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", ["ring", "torus"])
 def test_restore_onto_another_device_count_names_both_counts(run, checkpoints, mesh_name):
   run("randomk", mesh_name)
   mesh = training.make_mesh(4)

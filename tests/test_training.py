@@ -11,6 +11,7 @@ import pytest
 import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
+from jaxcomp import wire
 
 
 class _MLP(nnx.Module):
@@ -251,3 +252,25 @@ def test_fsdp_checkpoint_resumes_bit_exactly_and_refuses_another_layout(tmp_path
   with pytest.raises(ValueError, match=r"parameter \['b'\] of shape \[8\], but `params` has \[6\]"):
     training.restore_checkpoint(tmp_path / "ckpt", training.replicate(params, mesh), like_state,
                                 mesh, FSDP_AXES)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
+  """The parameters' all-gather and the gradient's reduce-scatter are the fast-axis
+  transfers of ``jaxcomp.hierarchical``; the compressor sends the shard's formula on
+  the slow axis; the skip adds one int32 all-reduce over both axes."""
+  config = {k: v for k, v in {"density": 0.3, "rank": 1}.items()
+            if k in registry.get(name).defaults}
+  compressor = registry.build(name, "dcn", **config)
+  tx = optax.chain(compressor, optax.sgd(0.05))
+  mesh = training.make_mesh((2, 4), FSDP_AXES)
+  params, batch = _fsdp_problem()
+  step = training.make_fsdp_step(_fsdp_loss, tx, mesh, "dcn", "ici", params)
+  compiled = step.lower(training.shard_params(params, mesh, "ici"),
+                        training.init_fsdp_state(tx, params, mesh, "dcn", "ici"),
+                        training.shard(batch, mesh, FSDP_AXES)).compile()
+  read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
+  formula = wire.expected_bytes(jaxcomp.hierarchical(compressor, "ici", 4), params,
+                                dict(mesh.shape)).by_axes
+  skip = {FSDP_AXES: wire.ring_bytes("all-reduce", 8, 4)}
+  assert read == {**formula, **skip}
