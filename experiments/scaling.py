@@ -18,6 +18,10 @@ with:
 3. The 2D torus against the flat ring for the dense fp16 all-reduce on a
    fast network: the latency term grows with ``rows + cols`` instead of P,
    compared with Mikami et al.'s 84.75% scaling efficiency at 1024 GPUs.
+4. Two levels: nodes of 8 devices (NVLink-class links inside, 1 to 100
+   Gbit/s between), 4 to 512 nodes; each method flat, on the 2D torus and
+   hierarchical (:func:`jaxcomp.hierarchical`: compressed on the slow links
+   only), and what :func:`jaxcomp.costmodel.recommend` picks.
 
 The per-step computation is *given*, not measured (``--compute-s``: forward
 and backward of one worker, a GPU figure), and the compression computation
@@ -114,11 +118,42 @@ def torus_table(args) -> dict:
   return rows
 
 
+NODES = tuple(2 ** e for e in range(2, 10))  # 4 .. 512
+TWO_LEVEL_METHODS = ("allreduce", "gtopk", "dgc", "powersgd", "acpsgd")
+TWO_LEVEL_COLUMNS = (("allreduce", "flat"), ("allreduce", "torus"), ("gtopk", "flat"),
+                     ("gtopk", "hierarchical"), ("dgc", "hierarchical"),
+                     ("powersgd", "hierarchical"), ("acpsgd", "hierarchical"))
+
+
+def two_level_table(args) -> dict:
+  """ResNet-50 on nodes of ``--node-size`` devices: every method in every layout."""
+  params = MODELS["resnet50"]()
+  n = shapes.num_params(params)
+  compression = {name: compute.compression_s(name, n) for name in TWO_LEVEL_METHODS}
+  configs = {"gtopk": {"density": args.density}, "dgc": {"density": args.density},
+             "powersgd": {"rank": args.rank}, "acpsgd": {"rank": args.rank}}
+  out = {}
+  for bandwidth in (1.0, 10.0, 100.0):
+    latency = args.ethernet_latency_us if bandwidth < 100 else args.fast_latency_us
+    rows = {}
+    for nodes in NODES:
+      ranked = costmodel.recommend(
+          params, {"dcn": nodes, "ici": args.node_size},
+          {"dcn": bandwidth, "ici": args.node_gbit},
+          {"dcn": latency, "ici": args.node_latency_us},
+          methods=TWO_LEVEL_METHODS, configs=configs, compute_s=compression,
+          base_compute_s=args.compute_s["resnet50"])
+      rows[nodes] = {"steps_s": {f"{r.name}/{r.layout}": r.seconds for r in ranked},
+                     "best": f"{ranked[0].name}/{ranked[0].layout}"}
+    out[bandwidth] = rows
+  return out
+
+
 def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:,.1f}"
 
 
-def markdown(args, sparse, lowrank, torus) -> str:
+def markdown(args, sparse, lowrank, torus, two_level) -> str:
   lines = [
       "# Scaling by the cost model",
       "",
@@ -231,6 +266,42 @@ def markdown(args, sparse, lowrank, torus) -> str:
       " is latency only, so it appears from about 256 workers and grows with P. The"
       " efficiencies depend on the given compute and are not a reproduction of the"
       " seed's measured 84.75%.",
+      "",
+      f"## 4. Two levels: nodes of {args.node_size} (ResNet-50, density {args.density:g},"
+      f" rank {args.rank})",
+      "",
+      f"Inside a node {args.node_gbit:g} Gbit/s and {args.node_latency_us:g} us per message"
+      " (NVLink-class); between nodes 1 and 10 Gbit/s at"
+      f" {args.ethernet_latency_us:g} us, 100 Gbit/s at {args.fast_latency_us:g} us."
+      " Step = compute + compression + exchange (ms). Layouts: *flat*, one ring over every"
+      " device, priced at the slow links; *torus*, the method over both axes, fast first;"
+      " *hier*, `jaxcomp.hierarchical`: a dense reduce-scatter inside the node, the"
+      " method between nodes on each device's 1/8 shard (its compression compute"
+      " divided by 8), an all-gather back. *best*: `costmodel.recommend`'s first among"
+      f" {', '.join(TWO_LEVEL_METHODS)} in the three layouts.",
+      "",
+      "| between nodes | nodes | devices | " + " | ".join(
+          f"{m} {l.replace('hierarchical', 'hier')}" for m, l in TWO_LEVEL_COLUMNS)
+      + " | best | dense flat / best |",
+      "|---|---|---|" + "---|" * (len(TWO_LEVEL_COLUMNS) + 2),
+  ]
+  for bandwidth, rows in two_level.items():
+    for nodes, r in rows.items():
+      steps = r["steps_s"]
+      lines.append(
+          f"| {bandwidth:g} Gbit/s | {nodes} | {nodes * args.node_size} | "
+          + " | ".join(_ms(steps[f"{m}/{l}"]) for m, l in TWO_LEVEL_COLUMNS)
+          + f" | {r['best']} | {steps['allreduce/flat'] / steps[r['best']]:.1f}x |")
+  hier_wins = [(b, n) for b, rows in two_level.items() for n, r in rows.items()
+               if r["steps_s"]["gtopk/hierarchical"] < r["steps_s"]["gtopk/flat"]]
+  lines += [
+      "",
+      f"Here: hierarchical gTop-k is faster than flat gTop-k in {len(hier_wins)} of"
+      f" {sum(len(rows) for rows in two_level.values())} settings; the flat butterfly's"
+      " rounds inside a node already run on the fast links, so the hierarchical one"
+      " wins by its 1/8 compression compute and by sending k/8 instead of k in each"
+      " round between nodes. The dense torus is the hierarchical dense exchange"
+      " (reduce-scatter inside, all-reduce between, all-gather inside).",
   ]
   return "\n".join(lines) + "\n"
 
@@ -296,6 +367,10 @@ def parser() -> argparse.ArgumentParser:
                  help="given forward+backward seconds of the transformer per worker")
   p.add_argument("--torus-compute-s", type=float, default=0.1,
                  help="given compute seconds per step in the torus table")
+  p.add_argument("--node-size", type=int, default=8, help="devices per node (two-level table)")
+  p.add_argument("--node-gbit", type=float, default=2400.0,
+                 help="links inside a node, Gbit/s (NVLink-class: 300 GB/s)")
+  p.add_argument("--node-latency-us", type=float, default=2.0)
   return p
 
 
@@ -306,11 +381,12 @@ def main(argv=None) -> None:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   sparse, lowrank, torus = sparse_table(args), lowrank_table(args), torus_table(args)
-  text = markdown(args, sparse, lowrank, torus)
+  two_level = two_level_table(args)
+  text = markdown(args, sparse, lowrank, torus, two_level)
   (out / "scaling.md").write_text(text)
   (out / "scaling.json").write_text(json.dumps(
       {"config": {k: v for k, v in vars(args).items() if k != "out"},
-       "sparse": sparse, "lowrank": lowrank, "torus": torus},
+       "sparse": sparse, "lowrank": lowrank, "torus": torus, "two_level": two_level},
       indent=1,
   ) + "\n")
   plot(sparse, torus, out)

@@ -46,6 +46,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import optax
 
+from jaxcomp import hierarchy
 from jaxcomp import registry
 from jaxcomp import wire
 
@@ -61,10 +62,11 @@ _RING_STEPS = {
 
 
 class Recommendation(NamedTuple):
-  """One row of :func:`recommend`: a method, its predicted seconds, its configuration."""
+  """One row of :func:`recommend`: a method, its predicted seconds, its configuration, its layout."""
   name: str
   seconds: float
   config: dict
+  layout: str = "flat"
 
 
 Network = Union[float, Mapping[str, float]]
@@ -166,35 +168,73 @@ def predict(
   return compute_s + exchange_time(cost, bandwidth_gbit, latency_us)
 
 
+LAYOUTS = ("flat", "torus", "hierarchical")
+
+
+def _layout_cost(
+    name: str, layout: str, config: Mapping[str, Any], params: optax.Params,
+    mesh_shape: Mapping[str, int], slow: str, fast: str, steps: Optional[int],
+) -> wire.WireCost:
+  """The transfers of method ``name`` in ``layout`` on a two-level mesh."""
+  axes = tuple(mesh_shape)
+  if layout == "flat":
+    # One ring (or butterfly) over every device, node after node: a ring is
+    # bound by the slow links it crosses, so every transfer is priced there.
+    tx = registry.build(name, "data", **config)
+    cost = wire.transfers(tx, params, math.prod(mesh_shape.values()), steps=steps)
+    return tuple(t._replace(axes=axes) for t in cost)
+  if layout == "torus":
+    # The pair of axes, fast first: a mean reduce-scatters over the fast
+    # links, all-reduces 1/X of it over the slow ones and all-gathers back.
+    tx = registry.build(name, (fast, slow), **config)
+  else:
+    tx = hierarchy.hierarchical(registry.build(name, slow, **config), fast, mesh_shape[fast])
+  return wire.transfers(tx, params, mesh_shape, steps=steps)
+
+
 def recommend(
     params: optax.Params,
     num_devices: NumDevices,
-    bandwidth_gbit: float,
-    latency_us: float,
+    bandwidth_gbit: Network,
+    latency_us: Network,
     *,
     methods: Optional[Sequence[str]] = None,
     configs: Optional[Mapping[str, Mapping[str, Any]]] = None,
     compute_s: Optional[Mapping[str, float]] = None,
     base_compute_s: float = 0.0,
+    layouts: Optional[Sequence[str]] = None,
 ) -> list[Recommendation]:
-  """The compressors ranked by predicted seconds per step, fastest first.
+  """The compressors (and, on a two-level mesh, their layouts) ranked by seconds per step.
 
   Args:
     params: the parameters (or their shapes) whose gradients are exchanged.
-    num_devices: P for a flat ring over one axis, or ``(rows, cols)`` for the
-      2D torus (the methods are then built over the pair of axes).
-    bandwidth_gbit: link bandwidth in Gbit/s.
-    latency_us: per-message latency in microseconds.
+    num_devices: P for a flat ring over one axis; ``(rows, cols)`` for the
+      2D torus (the methods are then built over the pair of axes); or a
+      two-level mesh shape ``{"dcn": nodes, "ici": X}``, whose slow axis is
+      the one with the lower bandwidth: every method is then priced in each
+      of ``layouts``.
+    bandwidth_gbit: link bandwidth in Gbit/s, or one per mesh axis (needed
+      for a two-level mesh).
+    latency_us: per-message latency in microseconds, or one per mesh axis.
     methods: names from :data:`jaxcomp.registry.METHODS` (all by default).
     configs: per-method configuration overriding the registry's defaults,
       e.g. ``{"gtopk": {"density": 0.01}}``.
-    compute_s: per-method compression seconds, measured on the machine the
-      prediction is for; a method not in it is priced with none.
+    compute_s: per-method compression seconds of one device compressing the
+      whole gradient, measured on the machine the prediction is for; a
+      method not in it is priced with none. In the hierarchical layout each
+      device compresses ``1/X`` of it, priced at ``compute_s / X``.
     base_compute_s: forward and backward seconds, the same for every method.
+    layouts: on a two-level mesh, among :data:`LAYOUTS` (all by default):
+      ``"flat"``, one ring over all devices, every transfer priced at the
+      slow links; ``"torus"``, the method over both axes, fast first (its
+      mean is the 2D torus; its sparse gathers and butterfly span both,
+      each collective priced at the slowest axis it crosses);
+      ``"hierarchical"``, :func:`jaxcomp.hierarchical` (dense over the fast
+      axis, the method over the slow one on this device's shard).
 
   Returns:
-    :class:`Recommendation` ``(name, seconds, config)`` tuples, sorted by
-    seconds.
+    :class:`Recommendation` ``(name, seconds, config, layout)`` tuples,
+    sorted by seconds.
   """
   _check_network(bandwidth_gbit, latency_us)
   names = list(registry.names()) if methods is None else list(methods)
@@ -204,11 +244,19 @@ def recommend(
   if unknown:
     raise ValueError(
         f"unknown methods {unknown}; `methods` must be among {list(registry.names())}")
+  if isinstance(num_devices, Mapping):
+    return _recommend_two_level(params, dict(num_devices), bandwidth_gbit, latency_us, names,
+                                configs, compute_s, base_compute_s, layouts)
+  if layouts is not None:
+    raise ValueError("`layouts` needs a two-level mesh shape for `num_devices`,"
+                     f" e.g. {{'dcn': 4, 'ici': 8}}; got {num_devices!r}")
   if isinstance(num_devices, (int, np.integer)):
     axis_name: Any = "data"
+    layout = "flat"
   else:
     axis_name = ("x", "y")
     num_devices = tuple(num_devices)
+    layout = "torus"
   ranked = []
   for name in names:
     config = registry.configuration(name, **configs.get(name, {}))
@@ -217,5 +265,29 @@ def recommend(
         tx, params, num_devices, bandwidth_gbit, latency_us,
         compute_s=base_compute_s + compute_s.get(name, 0.0),
     )
-    ranked.append(Recommendation(name, seconds, config))
+    ranked.append(Recommendation(name, seconds, config, layout))
+  return sorted(ranked, key=lambda r: r.seconds)
+
+
+def _recommend_two_level(params, mesh_shape, bandwidth_gbit, latency_us, names, configs,
+                         compute_s, base_compute_s, layouts) -> list[Recommendation]:
+  if len(mesh_shape) != 2 or not isinstance(bandwidth_gbit, Mapping):
+    raise ValueError(
+        "a two-level mesh needs two axes and a bandwidth per axis, e.g. num_devices="
+        "{'dcn': 4, 'ici': 8}, bandwidth_gbit={'dcn': 10.0, 'ici': 2400.0}; got"
+        f" {mesh_shape} and {bandwidth_gbit!r}")
+  layouts = LAYOUTS if layouts is None else tuple(layouts)
+  bad = [l for l in layouts if l not in LAYOUTS]
+  if bad:
+    raise ValueError(f"`layouts` must be among {LAYOUTS}, got {bad}")
+  slow, fast = sorted(mesh_shape, key=lambda a: bandwidth_gbit[a])
+  ranked = []
+  for name in names:
+    config = registry.configuration(name, **configs.get(name, {}))
+    for layout in layouts:
+      share = mesh_shape[fast] if layout == "hierarchical" else 1
+      cost = _layout_cost(name, layout, config, params, mesh_shape, slow, fast, None)
+      seconds = (base_compute_s + compute_s.get(name, 0.0) / share
+                 + exchange_time(cost, bandwidth_gbit, latency_us))
+      ranked.append(Recommendation(name, seconds, config, layout))
   return sorted(ranked, key=lambda r: r.seconds)

@@ -223,6 +223,15 @@ def test_scaling_tables_have_the_seeds_shapes():
     assert torus[p]["torus"]["bytes"] == pytest.approx(torus[p]["flat"]["bytes"], rel=1e-3)
     assert torus[p]["torus"]["latency_s"] * 10 < torus[p]["flat"]["latency_s"]
   assert torus[4]["flat"]["exchange_s"] == pytest.approx(torus[4]["torus"]["exchange_s"], rel=0.01)
+  two_level = scaling.two_level_table(args)
+  assert set(two_level) == {1.0, 10.0, 100.0}
+  for rows in two_level.values():
+    assert set(rows) == set(scaling.NODES) and min(rows) == 4 and max(rows) == 512
+    for r in rows.values():
+      assert r["steps_s"][r["best"]] == min(r["steps_s"].values())
+      assert len(r["steps_s"]) == len(scaling.TWO_LEVEL_METHODS) * len(costmodel.LAYOUTS)
+  # On 1 Gbit/s between nodes a compressor on the slow links only is the pick.
+  assert {r["best"] for r in two_level[1.0].values()} == {"gtopk/hierarchical"}
 
 
 def test_per_axis_links_price_each_transfer_at_its_slowest_axis():
@@ -262,3 +271,53 @@ def test_hierarchical_beats_the_flat_compressor_when_the_slow_links_are_slow():
   # Each round is two permutes (k values, k indices): six between nodes, three inside.
   k = 25_558
   assert flat == pytest.approx(12 * (50e-6 + k * 4 * 8 / 1e9) + 6 * (5e-6 + k * 4 * 8 / 2400e9))
+
+
+TWO_LEVEL = {"dcn": 16, "ici": 8}
+NODES_NETWORK = ({"dcn": 1.0, "ici": 2400.0}, {"dcn": 50.0, "ici": 2.0})
+
+
+def test_recommend_on_two_levels_prices_each_layout_by_its_own_transfers():
+  resnet = shapes.resnet50()
+  bandwidth, latency = NODES_NETWORK
+  compute_s = {"gtopk": 0.04, "allreduce": 0.0}
+  ranked = costmodel.recommend(resnet, TWO_LEVEL, bandwidth, latency, methods=["gtopk", "allreduce"],
+                               compute_s=compute_s, base_compute_s=0.2)
+  got = {(r.name, r.layout): r.seconds for r in ranked}
+  assert set(got) == {(m, l) for m in ("gtopk", "allreduce") for l in costmodel.LAYOUTS}
+  assert [r.seconds for r in ranked] == sorted(got.values())
+  # flat: one ring (butterfly) of 128, every message at the slow links.
+  assert got["allreduce", "flat"] == pytest.approx(costmodel.predict(
+      jaxcomp.allreduce("data"), resnet, 128, 1.0, 50.0, compute_s=0.2))
+  assert got["gtopk", "flat"] == pytest.approx(costmodel.predict(
+      jaxcomp.gtopk(1e-3, "data"), resnet, 128, 1.0, 50.0, compute_s=0.24))
+  # hierarchical: each device compresses 1/8 of the gradient.
+  assert got["gtopk", "hierarchical"] == pytest.approx(costmodel.predict(
+      jaxcomp.hierarchical(jaxcomp.gtopk(1e-3, "dcn"), "ici", 8), resnet, TWO_LEVEL,
+      bandwidth, latency, compute_s=0.2 + 0.04 / 8))
+  # torus: the pair, fast axis first; for a dense mean that is the hierarchical
+  # one but for its padding (the whole bucket to X, not every leaf's rows).
+  assert got["allreduce", "torus"] == pytest.approx(got["allreduce", "hierarchical"], rel=1e-4)
+  assert got["allreduce", "torus"] < got["allreduce", "hierarchical"]
+  assert got["allreduce", "torus"] < got["allreduce", "flat"] / 4
+  assert ranked[0][:1] + ranked[0][3:] == ("gtopk", "hierarchical")
+
+
+def test_recommend_on_two_levels_finds_the_slow_axis_by_its_bandwidth():
+  bandwidth, latency = NODES_NETWORK
+  swapped = {"ici": 8, "dcn": 16}
+  a = costmodel.recommend(SMALL, TWO_LEVEL, bandwidth, latency, methods=["topk"])
+  b = costmodel.recommend(SMALL, swapped, bandwidth, latency, methods=["topk"])
+  assert [(r.layout, r.seconds) for r in a] == [(r.layout, r.seconds) for r in b]
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: costmodel.recommend(SMALL, TWO_LEVEL, 1.0, 1.0), "a bandwidth per axis"),
+    (lambda: costmodel.recommend(SMALL, TWO_LEVEL, *NODES_NETWORK, layouts=["ring"]),
+     r"`layouts` must be among"),
+    (lambda: costmodel.recommend(SMALL, 8, 1.0, 1.0, layouts=["flat"]),
+     "`layouts` needs a two-level mesh"),
+])
+def test_recommend_on_two_levels_refuses_what_it_cannot_price(call, message):
+  with pytest.raises(ValueError, match=message):
+    call()
