@@ -3,6 +3,7 @@
   python -m experiments.compare            # --quick on digits: every registered method
   python -m experiments.compare --task text --methods allreduce,gtopk
   python -m experiments.compare --mesh 2x4 # the same on a 2D mesh (torus all-reduce)
+  python -m experiments.compare --mesh 2x4 --layout fsdp  # FSDP: compression on the slow axis
 
 Every method trains the same model from the same initialisation on the same
 batches, data-parallel over fake CPU devices through :mod:`jaxcomp.training`
@@ -20,6 +21,17 @@ with the same learning-rate schedule. Written to ``--out``:
 * ``compare.md``: the same as a table, with each method's ratio to dense;
 * ``accuracy_vs_step.png`` (``loss_vs_step.png`` for text) and
   ``accuracy_vs_bytes.png``.
+
+With ``--layout fsdp`` (on a ``--mesh ROWSxCOLS``) the parameters are
+sharded over the mesh's second axis, the fast one (inside a node), with
+:func:`jaxcomp.training.shard_params`, and each compressor runs over the first
+axis, the slow one (between nodes), on this device's shard of the gradient
+(:func:`jaxcomp.training.make_fsdp_step`). The run writes
+``compare_fsdp.json``, ``compare_fsdp.md`` and ``compare_fsdp_*.png`` instead,
+and each method's row holds the bytes per step over each axis apart
+(``bytes_by_axes``, read from the compiled step) beside what the wire formula
+of :func:`jaxcomp.hierarchical` around the same compressor says the exchange
+sends (``bytes_by_axes_formula``).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from experiments import compute
 from experiments import data
 from experiments import models
 from jaxcomp import costmodel
+from jaxcomp import hierarchy
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -130,10 +143,21 @@ class Config:
   out: str = str(RESULTS_DIR)
   progress: bool = True
   mode: str = "quick"
+  layout: str = "replicated"
 
   @property
   def axis_name(self):
     return "data" if self.mesh is None else ("x", "y")
+
+  @property
+  def slow_axis(self) -> str:
+    """FSDP: the axis between nodes, where the compressor runs (the mesh's first)."""
+    return self.axis_name[0]
+
+  @property
+  def fast_axis(self) -> str:
+    """FSDP: the axis inside a node, over which the parameters are sharded (the second)."""
+    return self.axis_name[1]
 
   @property
   def num_devices(self):
@@ -188,22 +212,25 @@ def message_bytes(name: str, compressor_config: dict, params) -> float:
   return float(wire.expected_bytes(tx, params, 2).total)
 
 
-def program_bytes(measured: wire.WireBytes, formula: wire.WireCost) -> dict[str, Fraction]:
+def program_bytes(measured: wire.WireBytes, formula: wire.WireCost,
+                  by: str = "kind") -> dict[Any, Fraction]:
   """Bytes per step of a compiled program by kind, its switch branches weighted as ``formula``'s.
 
   :func:`jaxcomp.wire.collective_bytes` weights each of a switch's ``B``
   branches ``1 / B``; a schedule spends other shares of the steps in them
   (DGC: none in its warm-up stages once the warm-up is over), which the
   formula's transfers carry. Collectives outside any branch keep their
-  weight.
+  weight. ``by="axes"``: by the mesh axes each collective spans instead
+  (``measured`` read with ``mesh_shape``).
   """
   shares = {t.branch: t.weight for t in formula if t.branch is not None}
-  by_kind: dict[str, Fraction] = {}
+  totals: dict[Any, Fraction] = {}
   for op in measured.ops:
     sent = op.bytes * (op.weight if op.branch is None else shares[op.branch])
     if sent:
-      by_kind[op.kind] = by_kind.get(op.kind, Fraction(0)) + sent
-  return by_kind
+      key = getattr(op, by)
+      totals[key] = totals.get(key, Fraction(0)) + sent
+  return totals
 
 
 def _task_data(task_name: str, evaluate_on: str):
@@ -255,30 +282,10 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
   sent_over_run = program_bytes(
       measured, wire.transfers(compressor, model.params, config.num_devices, steps=config.steps))
   evaluate = jax.jit(model.evaluate)
-
-  history = []
-  times = []
-  skipped = 0
-  batch = first
-  progress = _progress(name, config)
-  for i in range(config.steps):
-    start = time.perf_counter()
-    params, opt_state, metrics = compiled(params, opt_state, batch)
-    loss = jax.block_until_ready(metrics["loss"])
-    times.append(time.perf_counter() - start)
-    skipped += int(not bool(metrics["finite"][0]))
-    if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
-      eval_loss, eval_accuracy = evaluate(params, eval_x, eval_y)
-      history.append({
-          "step": i + 1, "train_loss": float(np.mean(loss)),
-          "eval_loss": float(eval_loss), "eval_accuracy": float(eval_accuracy),
-      })
-    progress.update(1)
-    if i % 10 == 0:
-      progress.set_postfix(loss=f"{float(np.mean(loss)):.3f}")
-    if i + 1 < config.steps:
-      batch = training.shard(next(batches), mesh, config.axis_name)
-  progress.close()
+  history, times, skipped = _train_loop(
+      name, config, compiled, params, opt_state, first,
+      lambda: training.shard(next(batches), mesh, config.axis_name),
+      lambda params: evaluate(params, eval_x, eval_y))
 
   _, one_device_tx = _chain(name, "data", compressor_config, method["momentum"], schedule)
   compute_s = compute.measure_step(model.loss, one_device_tx, model.params, local_batch)
@@ -309,6 +316,122 @@ def train_method(name: str, config: Config, task: dict, model: models.Model, dat
       "compute_s": compute_s,
       "exchange_s": exchange,
       "predicted_step_s": predicted,
+      "skipped_steps": skipped,
+      "configuration": _describe(name, compressor_config, method["momentum"]),
+      "history": history,
+  }
+
+
+def _train_loop(name: str, config: Config, compiled, params, opt_state, first,
+                next_batch, evaluate) -> tuple[list[dict], list[float], int]:
+  """``config.steps`` steps of ``compiled``; returns the evaluation history, step times, skips.
+
+  Every step is waited for: XLA:CPU aborts a collective's rendezvous after
+  40 s, which many queued steps of 8 fake devices on 2 cores can reach.
+  """
+  history = []
+  times = []
+  skipped = 0
+  batch = first
+  progress = _progress(name, config)
+  for i in range(config.steps):
+    start = time.perf_counter()
+    params, opt_state, metrics = compiled(params, opt_state, batch)
+    loss = jax.block_until_ready(metrics["loss"])
+    times.append(time.perf_counter() - start)
+    skipped += int(not bool(metrics["finite"][0]))
+    if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
+      eval_loss, eval_accuracy = evaluate(params)
+      history.append({
+          "step": i + 1, "train_loss": float(np.mean(loss)),
+          "eval_loss": float(eval_loss), "eval_accuracy": float(eval_accuracy),
+      })
+    progress.update(1)
+    if i % 10 == 0:
+      progress.set_postfix(loss=f"{float(np.mean(loss)):.3f}")
+    if i + 1 < config.steps:
+      batch = next_batch()
+  progress.close()
+  return history, times, skipped
+
+
+def _axes_key(axes: tuple[str, ...]) -> str:
+  """A JSON key for a set of mesh axes: ``"x"``, ``"y"``, ``"x+y"``."""
+  return "+".join(axes)
+
+
+def train_method_fsdp(name: str, config: Config, task: dict, model: models.Model, dataset,
+                      mesh, schedule, eval_x, eval_y) -> dict:
+  """Trains ``model`` with one compressor on the FSDP layout; returns its row of the JSON.
+
+  Parameters in row blocks over the fast axis, the compressor over the slow
+  axis on this device's shard of the gradient, the same optimizer after it as
+  in the replicated layout. Bytes are read per axis from the compiled step and
+  set beside :func:`jaxcomp.hierarchical`'s formula around the same
+  compressor: its fast-axis reduce-scatter and all-gather are the gradient's
+  reduce-scatter and the parameters' all-gather here.
+  """
+  method = task["methods"][name]
+  compressor_config = _compressor_config(method, config.steps)
+  slow, fast = config.slow_axis, config.fast_axis
+  compressor, tx = _chain(name, slow, compressor_config, method["momentum"], schedule)
+  global_batch = task["batch_per_device"] * config.devices
+  batches = _batches(config.task, task, dataset, global_batch, config.seed)
+  params = training.shard_params(model.params, mesh, fast)
+  opt_state = training.init_fsdp_state(tx, model.params, mesh, slow, fast)
+  step = training.make_fsdp_step(model.loss, tx, mesh, slow, fast, like=model.params)
+  first = training.shard(next(batches), mesh, config.axis_name)
+  compiled = step.lower(params, opt_state, first).compile()
+  mesh_shape = dict(mesh.shape)
+  measured = wire.collective_bytes(compiled, mesh_shape=mesh_shape)
+  layout = hierarchy.hierarchical(compressor, fast, mesh_shape[fast])
+  # The step's one collective outside the exchange: its skip decision, an
+  # int32 all-reduce (pmin) over every device of the mesh.
+  finiteness = [op for op in measured.ops
+                if op.kind == "all-reduce" and op.buffer_bytes == 4
+                and op.axes == tuple(mesh.axis_names)]
+  exchange = dataclasses.replace(measured, ops=tuple(o for o in measured.ops
+                                                     if o not in finiteness))
+  by_axes = {}
+  for label, steps in (("", None), ("_run_average", config.steps)):
+    formula = wire.transfers(layout, model.params, mesh_shape, steps=steps)
+    program = program_bytes(measured, formula, by="axes")
+    sent = program_bytes(exchange, formula, by="axes")
+    expected = wire.expected_bytes(layout, model.params, mesh_shape, steps=steps).by_axes
+    by_axes["bytes_by_axes" + label] = {_axes_key(a): float(v) for a, v in program.items()}
+    by_axes["bytes_by_axes" + label + "_formula"] = {
+        _axes_key(a): float(v) for a, v in expected.items()}
+    # Program less formula on each axis, the finiteness reduction left out:
+    # empty when they agree exactly.
+    by_axes["formula_mismatch" + label] = {
+        _axes_key(a): float(sent.get(a, 0) - expected.get(a, 0))
+        for a in sorted(set(sent) | set(expected))
+        if sent.get(a, 0) != expected.get(a, 0)}
+  evaluate = jax.jit(
+      lambda shard, x, y: model.evaluate(training.gather_params(shard, model.params), x, y))
+  history, times, skipped = _train_loop(
+      name, config, compiled, params, opt_state, first,
+      lambda: training.shard(next(batches), mesh, config.axis_name),
+      lambda shard: evaluate(shard, eval_x, eval_y))
+
+  shards = hierarchy.shard_shapes(model.params, mesh_shape[fast])
+  message = message_bytes(name, compressor_config, shards)
+  final = history[-1]
+  program_axes = by_axes["bytes_by_axes"]
+  return {
+      "final_accuracy": final["eval_accuracy"],
+      "final_loss": final["eval_loss"],
+      "bits_per_char": final["eval_loss"] / math.log(2) if config.task == "text" else None,
+      "slow_bytes_per_step": program_axes.get(slow, 0.0),
+      "fast_bytes_per_step": program_axes.get(fast, 0.0),
+      "both_axes_bytes_per_step": program_axes.get(_axes_key(tuple(mesh.axis_names)), 0.0),
+      "finiteness_bytes_per_step": float(sum(op.bytes * op.weight for op in finiteness)),
+      "slow_bytes_per_step_run_average": by_axes["bytes_by_axes_run_average"].get(slow, 0.0),
+      **by_axes,
+      "message_bytes": message,
+      # Of one device's shard: 4 S over the bytes of its compressed message.
+      "compression_ratio": 4 * models.num_params(shards) / message,
+      "step_time_s": statistics.median(times[len(times) // 2:]),
       "skipped_steps": skipped,
       "configuration": _describe(name, compressor_config, method["momentum"]),
       "history": history,
@@ -355,8 +478,9 @@ def run(config: Config) -> dict:
   else:
     mesh = training.make_mesh(config.mesh, config.axis_name)
   eval_x, eval_y = _eval_arrays(config.task, task, dataset)
+  train = train_method_fsdp if config.layout == "fsdp" else train_method
   results = {
-      name: train_method(name, config, task, model, dataset, mesh, schedule, eval_x, eval_y)
+      name: train(name, config, task, model, dataset, mesh, schedule, eval_x, eval_y)
       for name in config.methods
   }
   report = {
@@ -369,6 +493,9 @@ def run(config: Config) -> dict:
           "devices": config.devices,
           "mesh": list(config.mesh) if config.mesh else None,
           "axis_name": list(config.axis_name) if config.mesh else config.axis_name,
+          "layout": config.layout,
+          **({"slow_axis": config.slow_axis, "fast_axis": config.fast_axis}
+             if config.layout == "fsdp" else {}),
           "batch_per_device": task["batch_per_device"],
           "global_batch": task["batch_per_device"] * config.devices,
           "schedule": (
@@ -403,6 +530,13 @@ def check_goals(report: dict) -> list[dict]:
   """The issue's goals for the digits run, each with whether it is met."""
   methods = report["methods"]
   goals = []
+  if report["config"].get("layout") == "fsdp" and methods:
+    mismatched = [name for name, row in methods.items() if row["formula_mismatch"]]
+    goals.append({
+        "goal": "every method's program bytes on each axis equal the formula"
+                " (hierarchical's; the finiteness reduction aside)",
+        "met": not mismatched, "value": len(mismatched),
+    })
   if "allreduce" not in methods:
     return goals
   dense = methods["allreduce"]["final_accuracy"]
@@ -416,7 +550,7 @@ def check_goals(report: dict) -> list[dict]:
     gap = 100 * (dense - row["final_accuracy"])
     goals.append({
         "goal": f"{name} within {GOAL_POINTS_FROM_DENSE} points of allreduce",
-        "met": gap <= GOAL_POINTS_FROM_DENSE, "value": -gap,
+        "met": gap <= GOAL_POINTS_FROM_DENSE, "value": 0.0 - gap,
     })
   if "dgc" in methods:
     row = methods["dgc"]
@@ -446,7 +580,7 @@ def _bytes_cell(row: dict) -> str:
   return f"{steady:,.0f}" + (f" ({average:,.0f} over the run)" if average != steady else "")
 
 
-def _dgc_note(row: dict, config: dict, dense: Optional[dict]) -> str:
+def _dgc_note(row: dict, config: dict, dense: Optional[dict], link: str = "") -> str:
   """What DGC's configuration does, and what its schedule sends."""
   compressor = row["configuration"]["compressor"]
   leaves = (
@@ -468,7 +602,7 @@ def _dgc_note(row: dict, config: dict, dense: Optional[dict]) -> str:
         f" 1.5625% and 0.4%, step t in stage floor(4 t / {warmup}), then stays at"
         f" {compressor['density']:g}. Each stage is one branch of a `lax.switch` on the"
         f" step count with its own static k, so each sends its own payload: after the"
-        f" warm-up {row['bytes_per_step']:,.0f} bytes per step, over the whole run"
+        f" warm-up {row['bytes_per_step']:,.0f} bytes per step{link}, over the whole run"
         f" {average:,.0f} on average"
         + (f" ({dense['bytes_per_step'] / average:.0f}x less than dense)" if dense else "")
         + "."
@@ -478,19 +612,30 @@ def _dgc_note(row: dict, config: dict, dense: Optional[dict]) -> str:
   return note + " Its learning-rate warm-up is every method's."
 
 
-def markdown(report: dict) -> str:
-  """``compare.md``: the results as a table, with each method's ratio to dense."""
-  config, methods = report["config"], report["methods"]
-  dense = methods.get("allreduce")
-  text = config["task"] == "text"
-  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
-  lines = [
-      f"# Compressor comparison: {config['task']} ({config['mode']})",
+def _mesh_description(config: dict) -> str:
+  if not config["mesh"]:
+    return ""
+  rows, cols = config["mesh"]
+  if config.get("layout") != "fsdp":
+    return f" as a {rows}x{cols} mesh (2D torus)"
+  return (
+      f" as a {rows}x{cols} mesh in the FSDP layout: the parameters sharded in row blocks"
+      f" over `{config['fast_axis']}` ({cols} devices, the fast axis, inside a node), each"
+      f" compressor over `{config['slow_axis']}` ({rows} devices, the slow axis, between"
+      " nodes) on this device's shard of the gradient")
+
+
+def _header(report: dict) -> list[str]:
+  """The title and the paragraph on the run: model, steps, devices, schedule, wall time."""
+  config = report["config"]
+  title = "Compressor comparison" + (", FSDP" if config.get("layout") == "fsdp" else "")
+  return [
+      f"# {title}: {config['task']} ({config['mode']})",
       "",
       f"{config['model']}, {config['num_params']:,} parameters; {config['steps']} steps of"
       f" {config['global_batch']} examples ({config['batch_per_device']} per device) on"
       f" {config['devices']} fake CPU devices"
-      + (f" as a {config['mesh'][0]}x{config['mesh'][1]} mesh (2D torus)" if config["mesh"] else "")
+      + _mesh_description(config)
       + f"; learning rate: {config['schedule']}, the same for every method."
       f" Evaluated on the {config['evaluated_on']} split ({config['eval_examples']} examples)."
       f" Wall time of the run: {config['wall_time_s']:.0f} s on {config['cpu_count']} cores"
@@ -500,18 +645,45 @@ def markdown(report: dict) -> str:
          if config["load_average_1min"][0] > config["cpu_count"] else ", a quiet machine")
       + f"; {config['load_average_1min'][1]:.1f} at the end, the run's own threads"
       " included).",
+  ]
+
+
+def _goal_lines(report: dict) -> list[str]:
+  if not report["goals"]:
+    return []
+  lines = ["", "## Goals", "", "| goal | value | met |", "|---|---|---|"]
+  for goal in report["goals"]:
+    lines.append(f"| {goal['goal']} | {goal['value']:.4g} | {'yes' if goal['met'] else 'NO'} |")
+  return lines
+
+
+def _quality(row: dict, dense: Optional[dict], text: bool) -> tuple[str, str]:
+  """The method's test metric and its difference to dense's, as table cells."""
+  if text:
+    value = f"{row['bits_per_char']:.3f}"
+    delta = f"{row['bits_per_char'] - dense['bits_per_char']:+.3f}" if dense else "-"
+  else:
+    value = f"{row['final_accuracy']:.4f}"
+    delta = f"{100 * (row['final_accuracy'] - dense['final_accuracy']):+.1f} pt" if dense else "-"
+  return value, delta
+
+
+def markdown(report: dict) -> str:
+  """``compare.md``: the results as a table, with each method's ratio to dense."""
+  if report["config"].get("layout") == "fsdp":
+    return markdown_fsdp(report)
+  config, methods = report["config"], report["methods"]
+  dense = methods.get("allreduce")
+  text = config["task"] == "text"
+  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  lines = _header(report) + [
       "",
       f"| method | configuration | {metric} | vs dense | final loss | bytes/step"
       " | vs dense | compression ratio | step time (s) | vs dense | predicted step (s) | vs dense |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for name, row in methods.items():
-    if text:
-      value = f"{row['bits_per_char']:.3f}"
-      delta = f"{row['bits_per_char'] - dense['bits_per_char']:+.3f}" if dense else "-"
-    else:
-      value = f"{row['final_accuracy']:.4f}"
-      delta = f"{100 * (row['final_accuracy'] - dense['final_accuracy']):+.1f} pt" if dense else "-"
+    value, delta = _quality(row, dense, text)
     lines.append(
         f"| {name} | {_format_config(row['configuration'])} | {value} | {delta}"
         f" | {row['final_loss']:.4f} | {_bytes_cell(row)}"
@@ -552,11 +724,90 @@ def markdown(report: dict) -> str:
       f" for P = {config['devices']} at {config['bandwidth_gbit']:g} Gbit/s and"
       f" {config['latency_us']:g} us per message.",
   ]
-  if report["goals"]:
-    lines += ["", "## Goals", "", "| goal | value | met |", "|---|---|---|"]
-    for goal in report["goals"]:
-      lines.append(f"| {goal['goal']} | {goal['value']:.4g} | {'yes' if goal['met'] else 'NO'} |")
+  lines += _goal_lines(report)
   return "\n".join(lines) + "\n"
+
+
+def _axes_cell(by_axes: dict, order: tuple[str, ...]) -> str:
+  """``x: 1,440; y: 430,824``: bytes per set of axes, in ``order`` (others after)."""
+  keys = [k for k in order if k in by_axes] + sorted(k for k in by_axes if k not in order)
+  return "; ".join(f"{k}: {by_axes[k]:,.0f}" for k in keys) or "-"
+
+
+def markdown_fsdp(report: dict) -> str:
+  """``compare_fsdp.md``: accuracy and the bytes over each link, with the ratio to dense."""
+  config, methods = report["config"], report["methods"]
+  slow, fast = config["slow_axis"], config["fast_axis"]
+  rows, cols = config["mesh"]
+  both = f"{slow}+{fast}"
+  dense = methods.get("allreduce")
+  text = config["task"] == "text"
+  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  lines = _header(report) + [
+      "",
+      f"| method | configuration | {metric} | vs dense | slow-link bytes/step (`{slow}`)"
+      f" | vs dense | fast-link bytes/step (`{fast}`) | both axes (`{both}`)"
+      " | formula (per axis) | program = formula | step time (s) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, row in methods.items():
+    value, delta = _quality(row, dense, text)
+    slow_bytes, average = row["slow_bytes_per_step"], row["slow_bytes_per_step_run_average"]
+    mismatch = {**row["formula_mismatch"], **row["formula_mismatch_run_average"]}
+    lines.append(
+        f"| {name} | {_format_config(row['configuration'])} | {value} | {delta}"
+        f" | {slow_bytes:,.0f}"
+        + (f" ({average:,.0f} over the run)" if average != slow_bytes else "")
+        + f" | {_ratio(slow_bytes, dense and dense['slow_bytes_per_step'])}"
+        f" | {row['fast_bytes_per_step']:,.0f} | {row['both_axes_bytes_per_step']:,.0f}"
+        f" | {_axes_cell(row['bytes_by_axes_formula'], (slow, fast, both))}"
+        f" | {'yes' if not mismatch else 'NO, program less formula: ' + _axes_cell(mismatch, (slow, fast, both))}"
+        f" | {row['step_time_s']:.4f} |"
+    )
+  lines += [
+      "",
+      "How to read it:",
+      "",
+      f"- **slow-link bytes/step**: what one device sends per step over `{slow}` (between"
+      f" nodes), read from the compiled FSDP step's HLO by"
+      " `jaxcomp.wire.collective_bytes(compiled, mesh_shape=...).by_axes`, each collective"
+      " labelled by the mesh axes its device groups span (ring formulas: all-reduce"
+      " 2(P-1)/P of the buffer, all-gather (P-1)/P of the gathered buffer, a permute its"
+      " operand), a schedule's `lax.switch` branches weighted by the share of the steps in"
+      " each (after the schedule; in brackets, the average over the run where it differs)."
+      " It is the compressor's exchange of this device's shard, 1/"
+      f"{cols} of the gradient; **vs dense** divides it by allreduce's.",
+      f"- **fast-link bytes/step**: over `{fast}` (inside a node): the all-gather of the"
+      " parameters' row blocks in the forward pass and the reduce-scatter of the gradient"
+      f" that autodiff makes of it, each (X-1)/X of the X = {cols} padded row blocks in"
+      " f32; the same for every method.",
+      f"- **both axes**: the step's skip decision, one int32 all-reduce (`pmin` of"
+      f" \"finite\") over all {rows * cols} devices: 2(P-1)/P of 4 bytes. It is the step's,"
+      " not the exchange's, and the formula leaves it out.",
+      f"- **formula**: `jaxcomp.wire.expected_bytes(jaxcomp.hierarchical(compressor,"
+      f" \"{fast}\", {cols}), params, mesh.shape).by_axes`: the hierarchical wrapper's"
+      f" reduce-scatter and all-gather on `{fast}` are what the FSDP step's gradient"
+      f" reduce-scatter and parameter all-gather send, and its compressor runs on the same"
+      f" shard over `{slow}`. **program = formula**: yes when the program's bytes on each"
+      " axis, the skip decision aside, equal the formula exactly, both after the schedule"
+      " and averaged over the run; otherwise the difference (`formula_mismatch` and"
+      " `formula_mismatch_run_average` in the JSON).",
+      *([_dgc_note(_with_bytes(methods["dgc"]), config, _with_bytes(dense), " over the slow link")]
+        if "dgc" in methods else []),
+      "- **step time**: the median wall time of one step over the second half of the"
+      f" run, {rows * cols} fake devices sharing the CPU cores: compression compute, not"
+      " communication.",
+  ]
+  lines += _goal_lines(report)
+  return "\n".join(lines) + "\n"
+
+
+def _with_bytes(row: Optional[dict]) -> Optional[dict]:
+  """An FSDP row with its slow-link bytes as the replicated rows' ``bytes_per_step``."""
+  if row is None:
+    return None
+  return {**row, "bytes_per_step": row["slow_bytes_per_step"],
+          "bytes_per_step_run_average": row["slow_bytes_per_step_run_average"]}
 
 
 def plot(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
@@ -568,6 +819,9 @@ def plot(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
 
   methods = report["methods"]
   text = report["config"]["task"] == "text"
+  fsdp = report["config"].get("layout") == "fsdp"
+  prefix = "compare_fsdp_" if fsdp else ""
+  sent = "slow_bytes_per_step_run_average" if fsdp else "bytes_per_step_run_average"
   key, label = ("eval_loss", "test loss (nats/char)") if text else ("eval_accuracy", "test accuracy")
   if report["config"]["evaluated_on"] != "test":
     label = label.replace("test", report["config"]["evaluated_on"])
@@ -583,32 +837,35 @@ def plot(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
   ax.legend(ncol=3, fontsize=8)
   ax.set_title(f"{report['config']['task']}: {label} against step")
   fig.tight_layout()
-  paths.append(out / ("loss_vs_step.png" if text else "accuracy_vs_step.png"))
+  paths.append(out / (prefix + ("loss_vs_step.png" if text else "accuracy_vs_step.png")))
   fig.savefig(paths[-1], dpi=120)
   plt.close(fig)
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, row in methods.items():
     value = row["final_loss"] if text else row["final_accuracy"]
-    ax.scatter(row["bytes_per_step_run_average"], value)
-    ax.annotate(name, (row["bytes_per_step_run_average"], value), textcoords="offset points",
+    ax.scatter(row[sent], value)
+    ax.annotate(name, (row[sent], value), textcoords="offset points",
                 xytext=(4, 4), fontsize=8)
   ax.set_xscale("log")
-  ax.set_xlabel("bytes sent per device per step, averaged over the run (log scale)")
+  ax.set_xlabel(("slow-link " if fsdp else "")
+                + "bytes sent per device per step, averaged over the run (log scale)")
   ax.set_ylabel("final " + label)
   ax.grid(alpha=0.3, which="both")
   ax.set_title(f"{report['config']['task']}: final {label} against bytes per step")
   fig.tight_layout()
-  paths.append(out / ("loss_vs_bytes.png" if text else "accuracy_vs_bytes.png"))
+  paths.append(out / (prefix + ("loss_vs_bytes.png" if text else "accuracy_vs_bytes.png")))
   fig.savefig(paths[-1], dpi=120)
   plt.close(fig)
   return paths
 
 
 def write(report: dict, out: pathlib.Path) -> None:
+  """``compare.{json,md}`` and the plots; ``compare_fsdp.*`` for the FSDP layout."""
   out.mkdir(parents=True, exist_ok=True)
-  (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
-  (out / "compare.md").write_text(markdown(report))
+  stem = "compare_fsdp" if report["config"].get("layout") == "fsdp" else "compare"
+  (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+  (out / f"{stem}.md").write_text(markdown(report))
   if report["methods"]:
     plot(report, out)
 
@@ -669,6 +926,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", type=_mesh,
                  help="ROWSxCOLS: a 2D mesh of axes (x, y), the dense all-reduces as the"
                  " 2D torus (sets --devices to ROWS*COLS)")
+  p.add_argument("--layout", choices=("replicated", "fsdp"), default="replicated",
+                 help="replicated: parameters on every device, each compressor over every"
+                 " data axis (default); fsdp (needs --mesh): parameters sharded over the"
+                 " mesh's second axis (the fast one, inside a node), each compressor over"
+                 " its first axis (the slow one, between nodes) on the shard, results in"
+                 " compare_fsdp.*")
   p.add_argument("--out", default=str(RESULTS_DIR),
                  help="output directory (default experiments/results)")
   p.add_argument("--eval-every", type=_positive, help="steps between evaluations (default 50)")
@@ -685,7 +948,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv=None) -> Config:
-  args = parser().parse_args(argv)
+  p = parser()
+  args = p.parse_args(argv)
+  if args.layout == "fsdp" and args.mesh is None:
+    p.error("--layout fsdp needs a 2-axis mesh, e.g. --mesh 2x4: the parameters are"
+            " sharded over its second (fast) axis and each compressor runs over its first"
+            " (slow) axis")
   task = TASKS[args.task]
   mode = "full" if args.full else "quick"
   steps = args.steps or task[f"{mode}_steps"]
@@ -697,7 +965,7 @@ def config_from_args(argv=None) -> Config:
       eval_every=min(args.eval_every or task["eval_every"], steps),
       evaluate_on=args.evaluate_on, bandwidth_gbit=args.bandwidth_gbit,
       latency_us=args.latency_us, seed=args.seed, out=args.out,
-      progress=not args.no_progress, mode=mode,
+      progress=not args.no_progress, mode=mode, layout=args.layout,
   )
 
 

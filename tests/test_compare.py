@@ -9,6 +9,11 @@ import sys
 import pytest
 
 from experiments import compare
+from experiments import models
+import jaxcomp
+from jaxcomp import hierarchy
+from jaxcomp import registry
+from jaxcomp import wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {
@@ -88,7 +93,7 @@ def test_text_task_trains_the_transformer_and_reports_bits_per_char(tmp_path):
 def test_help_documents_every_flag():
   text = compare.parser().format_help()
   for flag in ("--quick", "--full", "--methods", "--task", "--steps", "--devices", "--mesh",
-               "--out", "--evaluate-on", "--bandwidth-gbit", "--latency-us"):
+               "--layout", "--out", "--evaluate-on", "--bandwidth-gbit", "--latency-us"):
     assert flag in text
 
 
@@ -145,3 +150,50 @@ def test_dgc_warms_up_and_states_both_byte_figures(tmp_path):
   assert f"| {steady:,.0f} ({average:,.0f} over the run) |" in table
   assert "over the first 2 of 40 steps" in table
   assert "without its warm-up" not in table and "warmup_steps=0" not in table
+
+
+def test_fsdp_layout_reads_each_link_apart_and_matches_the_formula(tmp_path):
+  config = compare.config_from_args(
+      ["--methods", "allreduce,dgc", "--mesh", "2x4", "--layout", "fsdp", "--steps", "4",
+       "--eval-every", "2", "--out", str(tmp_path), "--no-progress"])
+  assert (config.layout, config.slow_axis, config.fast_axis) == ("fsdp", "x", "y")
+  report = compare.run(config)
+  names = {p.name for p in tmp_path.iterdir()}
+  assert {"compare_fsdp.json", "compare_fsdp.md", "compare_fsdp_accuracy_vs_step.png"} <= names
+  assert "compare.json" not in names and "compare.md" not in names
+  assert json.loads((tmp_path / "compare_fsdp.json").read_text())["config"]["layout"] == "fsdp"
+  params = models.digits_cnn(0).params
+  # One device's row-block shard: 17,951 of the 71,754 parameters (padded).
+  s = models.num_params(hierarchy.shard_shapes(params, 4))
+  dense, dgc = report["methods"]["allreduce"], report["methods"]["dgc"]
+  for name, row in report["methods"].items():
+    # Fast link: the parameters' all-gather and the gradient's reduce-scatter,
+    # 3/4 of the 4 padded blocks in f32 each; both axes: the 4-byte pmin, 2 * 7/8 * 4.
+    assert row["fast_bytes_per_step"] == 2 * 3 / 4 * 4 * (4 * s)
+    assert row["both_axes_bytes_per_step"] == row["finiteness_bytes_per_step"] == 7
+    compressor = registry.build(name, "x", **row["configuration"]["compressor"])
+    tx = jaxcomp.hierarchical(compressor, "y", 4)
+    for label, steps in (("", None), ("_run_average", 4)):
+      formula = wire.expected_bytes(tx, params, {"x": 2, "y": 4}, steps=steps).by_axes
+      program = dict(row["bytes_by_axes" + label])
+      assert program.pop("x+y") == 7
+      assert program == {"+".join(a): float(v) for a, v in formula.items()}, (name, label)
+      assert row["formula_mismatch" + label] == {}
+  # Slow link: dense's all-reduce of the shard over 2 nodes sends 4 s bytes;
+  # DGC after its warm-up k = ceil(0.001 s) values and indices, 8 k.
+  assert dense["slow_bytes_per_step"] == 4 * s
+  assert dgc["slow_bytes_per_step"] == 8 * math.ceil(0.001 * s) < dense["slow_bytes_per_step"]
+  assert dgc["slow_bytes_per_step"] < dgc["slow_bytes_per_step_run_average"]
+  table = (tmp_path / "compare_fsdp.md").read_text()
+  assert "| slow-link bytes/step (`x`) | vs dense | fast-link bytes/step (`y`) |" in table
+  ratio = dgc["slow_bytes_per_step"] / dense["slow_bytes_per_step"]
+  assert f"| {dgc['slow_bytes_per_step']:,.0f} (" in table and f"| {ratio:.3g}x |" in table
+  assert "| NO" not in table.split("## Goals")[0]
+  assert report["goals"][0]["met"] and "formula" in report["goals"][0]["goal"]
+
+
+@pytest.mark.parametrize("argv", [["--layout", "fsdp"], ["--devices", "8", "--layout", "fsdp"]])
+def test_fsdp_layout_without_a_mesh_is_refused(argv, capsys):
+  with pytest.raises(SystemExit):
+    compare.config_from_args(argv)
+  assert "--layout fsdp needs a 2-axis mesh, e.g. --mesh 2x4" in capsys.readouterr().err
