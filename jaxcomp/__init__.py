@@ -10,6 +10,7 @@ from jaxcomp import costmodel as costmodel
 from jaxcomp import error_feedback as error_feedback
 from jaxcomp import fusion as fusion
 from jaxcomp import hierarchy as hierarchy
+from jaxcomp import nnx as nnx
 from jaxcomp import protocol as protocol
 from jaxcomp import registry as registry
 from jaxcomp import selection as selection
@@ -61,6 +62,7 @@ __all__ = (
     "gtopk",
     "hierarchical",
     "hierarchy",
+    "nnx",
     "powersgd",
     "protocol",
     "qsgd",

@@ -291,14 +291,71 @@ def make_pmap_step(
 ) -> Callable:
   """The same step through ``jax.pmap``: every argument has a leading device axis.
 
-  Parameters are stacked per device too (``stack_per_device`` or
-  ``jax.device_put_replicated``); the batch is reshaped to
-  ``[devices, per_device, ...]``.
+  Parameters and state are stacked per device with :func:`pmap_stack` and
+  :func:`init_pmap_state`; the batch is reshaped to ``[devices, per_device, ...]``.
+
+  Example::
+
+    tx = optax.chain(jaxcomp.gtopk(0.01, "data"), optax.sgd(0.1))
+    params_d = training.pmap_stack(params)
+    state_d = training.init_pmap_state(tx, params)
+    step = training.make_pmap_step(loss_fn, tx, "data")
+    params_d, state_d, metrics = step(params_d, state_d, batch.reshape(8, -1, ...))
   """
   return jax.pmap(
       _guarded_update(tx, loss_fn, has_aux, skip_nonfinite),
       axis_name=axis_name, devices=devices,
   )
+
+
+def pmap_stack(tree: chex.ArrayTree, devices: Optional[Sequence[jax.Device]] = None
+               ) -> chex.ArrayTree:
+  """``tree`` copied once per device along a new leading axis, one row on each device.
+
+  What ``jax.pmap`` takes for replicated values (parameters): ``devices``
+  defaults to ``jax.local_devices()``, as ``pmap`` does.
+  """
+  devices = list(jax.local_devices() if devices is None else devices)
+  mesh = Mesh(np.array(devices), ("devices",))
+  return stack_per_device(tree, mesh, "devices")
+
+
+def init_pmap_state(
+    tx: optax.GradientTransformation, params: optax.Params,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> optax.OptState:
+  """``tx.init(params)`` stacked per device for :func:`make_pmap_step` (see :func:`init_state`)."""
+  registry.check_chain(tx, params)
+  return pmap_stack(tx.init(params), devices)
+
+
+def check_replicas(tree: chex.ArrayTree, what: str = "tree") -> None:
+  """Raises if a leaf held replicated has device copies that differ.
+
+  Under ``shard_map(..., check_vma=False)`` an output spec of ``P()`` marks
+  an array replicated without checking it: a per-device compressor state
+  returned that way becomes one array whose device copies silently differ
+  (reading, checkpointing or resharding it sees one device's copy). This
+  compares the copies of every fully replicated leaf on the host: call it
+  after a step (one transfer per replicated leaf and device).
+
+  Raises:
+    ValueError: naming the first such leaf and what to change.
+  """
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if not isinstance(x, jax.Array) or not x.sharding.is_fully_replicated:
+      continue
+    shards = x.addressable_shards
+    first = np.asarray(shards[0].data)
+    for other in shards[1:]:
+      if not np.array_equal(np.asarray(other.data), first, equal_nan=True):
+        raise ValueError(
+            f"{what}{jax.tree_util.keystr(path)} is held replicated, but its copy on"
+            f" {other.device} differs from the one on {shards[0].device}: per-device"
+            " state (a compressor's residuals, momenta, keys) must keep a leading device"
+            " axis sharded over the data axes (training.init_state and"
+            " in_specs=P(axis) in shard_map, or jaxcomp.nnx.per_device for Flax NNX),"
+            " not in_specs=P() with check_vma=False")
 
 
 # ------------------------------------------------------------------------ FSDP
@@ -468,7 +525,9 @@ def save_checkpoint(
 
   Blocks until the checkpoint is on disk, so that the step may donate the
   buffers right after. Parameters are identical on every device and are
-  written once; the state is written whole, every device's row of it.
+  written once (checked first with :func:`check_replicas`: a copy that
+  differs is an error, not a silent pick); the state is written whole, every
+  device's row of it.
 
   Args:
     directory: a new directory (an existing one is an error, as in orbax).
@@ -476,6 +535,8 @@ def save_checkpoint(
     opt_state: the stacked state of :func:`init_state` and the step.
     step: the number of steps taken, returned by :func:`restore_checkpoint`.
   """
+  check_replicas(params, "params")
+  check_replicas(opt_state, "opt_state")
   leaves = jax.tree.leaves(opt_state)
   replicas = int(leaves[0].shape[0]) if leaves else 0
   checkpointer = _checkpointer()
@@ -558,3 +619,4 @@ def restore_checkpoint(
   restored = checkpointer.restore(path, target)
   return (_refill_empty(restored["params"], params, mesh),
           _refill_empty(restored["opt_state"], opt_state, mesh), int(restored["step"]))
+
