@@ -146,7 +146,11 @@ def data_parallel(mesh: Mesh, axis_name: base.AxisName) -> Callable[[Callable], 
   the optimizer) are replicated, but for the leaves of a :func:`per_device`
   state, split over ``axis_name`` one row per device; every other argument
   (arrays: the batch) is split along its leading axis. Each floating array
-  the step returns (the loss, metrics) is averaged over the devices.
+  the step returns (the loss, metrics) is averaged over the devices, and so
+  is every ``nnx.BatchStat`` (BatchNorm's running statistics, updated from
+  each device's part of the batch) after the step, as a cross-replica batch
+  norm does; any other variable the step changes must change alike on every
+  device (the parameters do: the compressor's mean is the same everywhere).
 
   Args:
     mesh: the mesh; ``axis_name`` must be among its axes.
@@ -175,6 +179,12 @@ def data_parallel(mesh: Mesh, axis_name: base.AxisName) -> Callable[[Callable], 
 
     def averaged(*args):
       out = step(*args)
+      # Running statistics updated from this device's part of the batch: one
+      # copy for all, as a cross-replica batch norm keeps them.
+      for arg in args:
+        for _, node in nnx.iter_graph(arg) if isinstance(arg, nnx.Pytree) else ():
+          if isinstance(node, nnx.BatchStat):
+            node[...] = lax.pmean(node[...], axes)
 
       def mean(x):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):

@@ -213,3 +213,28 @@ def test_pmap_state_is_initialised_and_stepped_with_current_jax():
   for a, b in zip(jax.tree.leaves(params_d), jax.tree.leaves(p)):
     np.testing.assert_array_equal(np.asarray(a)[5], np.asarray(b))
   assert "device_put_replicated" not in (training.make_pmap_step.__doc__ or "")
+
+
+class _BatchNormMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(12, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    self.out = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.norm(self.hidden(x))))
+
+
+def test_batch_norm_statistics_stay_one_copy():
+  mesh = jax.make_mesh((8,), (AXIS,))
+  model = _BatchNormMLP(nnx.Rngs(0))
+  tx = optax.chain(jaxcomp.gtopk(0.2, AXIS), optax.sgd(0.1))
+  optimizer = nnx.Optimizer(model, jaxcomp.nnx.per_device(tx, mesh, AXIS), wrt=nnx.Param)
+  x, y = _data(0)
+  jax.block_until_ready(_plain_step(mesh)(model, optimizer, x, y))
+  training.check_replicas(nnx.state(model))
+  # The mean over devices of each device's batch statistics: the whole batch's mean.
+  hidden = np.asarray(_BatchNormMLP(nnx.Rngs(0)).hidden(x))
+  want = 0.99 * 0 + 0.01 * hidden.mean(axis=0)
+  np.testing.assert_allclose(np.asarray(model.norm.mean.get_value()), want, rtol=1e-5, atol=1e-7)
