@@ -52,9 +52,8 @@ def _loss(model, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-def _nnx_run(mesh, tx, steps):
-  model = _MLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jaxcomp.nnx.per_device(tx, mesh, AXIS), wrt=nnx.Param)
+def _plain_step(mesh):
+  """The NNX tutorial's train step, data-parallel."""
 
   @nnx.jit
   @jaxcomp.nnx.data_parallel(mesh, AXIS)
@@ -63,6 +62,13 @@ def _nnx_run(mesh, tx, steps):
     optimizer.update(model, grads)
     return loss
 
+  return train_step
+
+
+def _nnx_run(mesh, tx, steps):
+  model = _MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxcomp.nnx.per_device(tx, mesh, AXIS), wrt=nnx.Param)
+  train_step = _plain_step(mesh)
   losses = [float(jax.block_until_ready(train_step(model, optimizer, *_data(i))))
             for i in range(steps)]
   return model, optimizer, losses
@@ -100,16 +106,6 @@ def test_nnx_loop_equals_the_training_step(name, explicit):
               for path, v in nnx.to_flat_state(nnx.state(optimizer)) if "residual" in path]
   assert residual and all(rows.shape[0] == 8 for rows in residual)
   assert any(not np.array_equal(rows[0], rows[1]) for rows in residual)
-
-
-def _plain_step(mesh):
-  @nnx.jit
-  @jaxcomp.nnx.data_parallel(mesh, AXIS)
-  def train_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-  return train_step
 
 
 def test_an_optimizer_without_per_device_state_is_refused_at_first_trace():
