@@ -48,8 +48,10 @@ def test_flax_nnx_section_runs_and_keeps_replicas_one():
       "\ntraining.check_replicas(nnx.state(model))"
       "\nstate = nnx.state(optimizer)"
       "\nrows = [v.get_value() for p, v in nnx.to_flat_state(state) if 'residual' in p]"
-      "\nassert rows and rows[0].shape[0] == 8"
-      "\nassert float(loss) < 2.5"))
+      "\nimport numpy as np"
+      "\nassert rows and all(r.shape[0] == 8 for r in rows)"
+      "\nassert any(not np.array_equal(r[0], r[1]) for r in rows)  # each device its own"
+      "\nassert np.isfinite(float(loss))"))
 
 
 def test_pmap_section_runs_and_keeps_replicas_one():
