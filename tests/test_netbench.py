@@ -2,17 +2,24 @@
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 
+import jax
+import numpy as np
 import pytest
 
 from experiments.netbench import launcher
 from experiments.netbench import network
 from experiments.netbench import report
+from experiments.netbench import workload
+from jaxcomp import training
+from jaxcomp import wire
 
 REPO_ROOT = launcher.REPO_ROOT
 PREFIX = "jcnt"  # not the benchmark's: a test never touches a benchmark's network
@@ -127,9 +134,221 @@ def test_summary_states_the_goals():
 
 def test_only_our_names_are_removed():
   assert network._ours("jcnt0", "jcnt") and network._ours("jcntv12", "jcnt")
-  assert network._ours("jcntbr", "jcnt")
+  assert network._ours("jcntbr", "jcnt") and network._ours("jcntbr1", "jcnt")
+  assert network._ours("jcntu0", "jcnt") and network._ours("jcntc1", "jcnt")
   assert not network._ours("jcnt", "jcnt") and not network._ours("jcntx0", "jcnt")
+  assert not network._ours("jcntbrx", "jcnt") and not network._ours("jcntu", "jcnt")
   assert not network._ours("jcnb0", "jcnt") and not network._ours("eth0", "jcnt")
+
+
+def test_every_name_a_plan_makes_is_removed_by_down():
+  layout = network.plan(6, PREFIX, 3)
+  names = [*layout.bridges, *(end.device for pair in layout.veths for end in pair
+                              if end.namespace is None)]
+  assert len(set(names)) == len(names) and all(network._ours(n, PREFIX) for n in names)
+  assert all(len(n) <= 15 for n in names)
+
+
+# ------------------------------------------------------------- two levels
+
+
+def _shaped_on(layout, source, target):
+  return [end for end in network.route(layout, f"{PREFIX}{source}", f"{PREFIX}{target}")
+          if end in layout.shaped]
+
+
+def test_one_level_plan_shapes_every_host_link_both_ways():
+  layout = network.plan(4, PREFIX)
+  assert layout.uplinks == ()
+  for source in range(4):
+    for target in range(4):
+      if source != target:
+        shaped = _shaped_on(layout, source, target)
+        # the sender's NIC, then the receiver's: each host link shaped each way
+        assert [e.device for e in shaped] == ["eth0", f"{PREFIX}v{target}"]
+        assert shaped[0].namespace == f"{PREFIX}{source}"
+
+
+@pytest.mark.parametrize("hosts, per_node", [(4, 2), (6, 2), (6, 3)])
+def test_two_level_plan_shapes_only_the_links_between_nodes(hosts, per_node):
+  layout = network.plan(hosts, PREFIX, per_node)
+  for source in range(hosts):
+    for target in range(hosts):
+      if source == target:
+        continue
+      shaped = _shaped_on(layout, source, target)
+      route = network.route(layout, f"{PREFIX}{source}", f"{PREFIX}{target}")
+      counted = [end for end in route if end in layout.uplinks]
+      delayed = [end for end in route if end in layout.delayed]
+      if network.node_of(source, per_node) == network.node_of(target, per_node):
+        assert shaped == [] and counted == [] and delayed == []
+      else:
+        # out of the sender's node and into the receiver's, each shaped once;
+        # the byte counts once in the uplinks' tx and gets the latency once
+        assert [e.device for e in shaped] == [
+            f"{PREFIX}u{network.node_of(source, per_node)}",
+            f"{PREFIX}c{network.node_of(target, per_node)}"]
+        assert counted == shaped[:1] and delayed == shaped[:1]
+
+
+@pytest.mark.parametrize("hosts, per_node", [(4, 3), (4, 4), (4, 0)])
+def test_two_level_network_needs_whole_nodes(hosts, per_node):
+  with pytest.raises(ValueError, match="at least two nodes"):
+    network.Network(hosts, prefix=PREFIX, hosts_per_node=per_node)
+
+
+def test_mesh_puts_processes_of_a_node_on_one_row():
+  devices = [types.SimpleNamespace(id=10 + p, process_index=p) for p in range(6)]
+  random.Random(0).shuffle(devices)
+  shape = {"node": 3, "local": 2}
+  mesh = workload.mesh_devices(devices, shape)
+  assert mesh.shape == (3, 2)
+  for (node, local), device in np.ndenumerate(mesh):
+    # the network's node of the process is the mesh's row
+    assert network.node_of(device.process_index, 2) == node
+    assert device.process_index == 2 * node + local
+
+
+def _program_and_formula(row, size=4096):
+  """Bytes by axes of the compiled two-level step and of the formula, on 4 fake devices."""
+  shape = {"node": 2, "local": 2}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), workload.MESH_AXES)
+  shapes = workload.gradient_shapes("resnet50", size)
+  tx = workload.build(row, shape)
+  grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct((4, *s.shape), s.dtype), shapes)
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype),
+                       jax.eval_shape(tx.init, shapes))
+  compiled = training.make_update(tx, mesh, workload.MESH_AXES).lower(grads, state).compile()
+  return (wire.collective_bytes(compiled, mesh_shape=shape).by_axes,
+          wire.expected_bytes(tx, shapes, shape).by_axes)
+
+
+def test_flat_ring_and_torus_are_different_programs():
+  ring, ring_formula = _program_and_formula("allreduce_ring")
+  torus, torus_formula = _program_and_formula("allreduce_torus")
+  n = 4096 * 4
+  assert ring == ring_formula == {("node", "local"): 2 * 3 / 4 * n}
+  # reduce-scatter and all-gather inside a node, the half chunk between nodes
+  assert torus == torus_formula == {("local",): n, ("node",): n / 2}
+
+
+@pytest.mark.parametrize("row", ["gtopk", "hierarchical_gtopk"])
+def test_gtopk_rows_send_by_the_formula(row):
+  program, formula = _program_and_formula(row)
+  assert program == formula and set(program) == {("node",), ("local",)}
+  if row == "hierarchical_gtopk":  # dense inside a node, sparse between nodes
+    assert program[("local",)] > 100 * program[("node",)]
+
+
+def test_link_bytes_from_axes_split_the_flat_ring_by_its_hops():
+  shape = {"node": 2, "local": 2}
+  assert report.axes_link_bytes({"node+local": 600.0}, shape) == {"slow": 300.0, "fast": 300.0}
+  assert report.axes_link_bytes({"local": 400.0, "node": 200.0}, shape) == {
+      "slow": 200.0, "fast": 400.0}
+  # 4 nodes of 2: 4 of the ring's 8 hops cross nodes
+  assert report.axes_link_bytes({"node+local": 800.0}, {"node": 4, "local": 2}) == {
+      "slow": 400.0, "fast": 400.0}
+
+
+def test_link_bytes_from_counters_are_per_step_per_device():
+  # 4 workers sent 10, 20, 30, 40 bytes over 2 steps; 60 of them left their node
+  assert report.counter_link_bytes([10, 20, 30, 40], 60, 2) == {"slow": 7.5, "fast": 5.0}
+
+
+def test_uplink_counters_are_read_from_another_namespace_listing():
+  listing = (
+      "Inter-|   Receive                                                |  Transmit\n"
+      " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets\n"
+      "jcntu0:   13870     207    0    0    0     0          0         0    14114     209"
+      "    0    0    0     0       0          0\n"
+      "jcntu1:   13828     206    0    0    0     0          0         0    14066     209"
+      "    0    0    0     0       0          0\n")
+  assert workload.net_dev_tx_bytes(listing, ["jcntu0", "jcntu1"]) == 14114 + 14066
+  with pytest.raises(KeyError):
+    workload.net_dev_tx_bytes(listing, ["jcntu2"])
+  assert workload.uplink_tx_bytes(os.getpid(), []) is None
+  assert workload.uplink_tx_bytes(os.getpid(), ["lo"]) >= 0
+
+
+def _two_level_row(method, bandwidth, step, unshaped, slow_bytes):
+  return {"method": method, "bandwidth_gbit": bandwidth, "status": "ok",
+          "step_time_s": step, "unshaped_step_s": unshaped,
+          "link_bytes": {"counters": {"slow": slow_bytes, "fast": 1e6}}}
+
+
+def test_uplink_bound_is_a_nodes_bytes_at_the_rate():
+  row = _two_level_row("allreduce_ring", 2.0, 1.0, 0.5, 75e6)
+  assert report.uplink_bound_s(row, 2) == pytest.approx(2 * 75e6 / 250e6)
+  assert report.uplink_bound_s({**row, "bandwidth_gbit": None}, 2) is None
+
+
+def test_two_level_summary_and_table():
+  runs = [_two_level_row("allreduce_ring", 1.0, 1.2, 0.3, 75e6),
+          _two_level_row("gtopk", 1.0, 0.6, 0.5, 2e5),
+          _two_level_row("hierarchical_gtopk", 1.0, 0.3, 0.24, 1e5),
+          _two_level_row("allreduce_ring", 10.0, 0.5, 0.3, 75e6),
+          _two_level_row("hierarchical_gtopk", 10.0, 0.25, 0.24, 1e5),
+          _two_level_row("hierarchical_gtopk", None, 0.24, 0.24, 1e5)]
+  summary = report.two_level_summary(runs)
+  assert list(summary) == ["1", "10", "unshaped"]
+  at_1 = summary["1"]
+  assert at_1["hierarchical_gtopk_over_gtopk"] == {
+      "speedup": pytest.approx(2.0), "ceiling": pytest.approx(2.5), "goal": 1.5, "met": True}
+  assert at_1["hierarchical_gtopk_over_allreduce_ring"]["speedup"] == pytest.approx(4.0)
+  assert not at_1["hierarchical_gtopk_over_allreduce_ring"]["met"]
+  # the goals are the issue's at 1 Gbit/s; elsewhere the speedup alone
+  assert summary["10"]["hierarchical_gtopk_over_allreduce_ring"] == {
+      "speedup": pytest.approx(2.0), "ceiling": pytest.approx(0.5 / 0.24)}
+  assert summary["10"]["hierarchical_gtopk_over_gtopk"] is None
+  table = report.two_level_markdown({
+      "config": {"mesh_shape": {"node": 2, "local": 2}, "processes": 4, "params": 1000,
+                 "model": "resnet50", "steps": 10, "warmup": 2, "cpu_count": 2,
+                 "load_average_at_start": [1.0], "network": {
+                     "mode": "netns", "links": "links", "measured_one_way_latency_us": 12.0},
+                 "rows": {"gtopk": "flat"}},
+      "runs": runs, "summary": summary, "load_average_at_end": [2.0]})
+  lines = {line.split(" | ")[0] + " | " + line.split(" | ")[1]: line
+           for line in table.splitlines() if line.startswith("| ")}
+  # 1.6 ms through the uplink against a 240 ms floor; 1.2 s against 300 ms
+  assert " | 1.6 | cores | 2.00x | 4.00x | " in lines["| 1 | hierarchical_gtopk"]
+  assert " | 1,200.0 | link | 0.50x | 1.00x | " in lines["| 1 | allreduce_ring"]
+  assert ("- hierarchical_gtopk_over_allreduce_ring: 4.00x (goal 5x): NOT met; at most"
+          " 5.00x were its step as short as unshaped") in table
+
+
+def test_two_level_flags():
+  args = launcher.parse_args(["--two-level"])
+  assert args.methods == list(workload.TWO_LEVEL_ROWS)
+  assert args.out == launcher.DEFAULT_TWO_LEVEL_OUT
+  assert launcher.mesh_shape(args) == {"node": 2, "local": 2}
+  assert launcher.mesh_shape(launcher.parse_args([])) is None
+  assert launcher.parse_args([]).out == launcher.DEFAULT_OUT
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--two-level", "--local-size", "3"], "into at least two nodes"),
+    (["--two-level", "--local-size", "4"], "into at least two nodes"),
+    (["--two-level", "--methods", "topk"], "unknown ['topk']"),
+])
+def test_two_level_flags_are_checked(flags, message, capsys):
+  with pytest.raises(SystemExit):
+    launcher.parse_args(flags)
+  assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- the torch peer
+
+
+def test_workers_and_the_torch_peer_see_no_gpu():
+  assert launcher.worker_env("eth0")["CUDA_VISIBLE_DEVICES"] == ""
+  # the peer hides the GPU itself before torch is imported, whatever it was given
+  code = ("import os, sys; import experiments.netbench.torch_peer;"
+          " print(repr(os.environ['CUDA_VISIBLE_DEVICES']), 'torch' in sys.modules)")
+  done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=120,
+                        env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ["''", "False"]
 
 
 # ------------------------------------------------------------ as root only
@@ -183,10 +402,63 @@ def test_netns_run_sends_through_the_shaped_links(tmp_path):
 
 
 @needs_netns
-def test_sigterm_kills_workers_and_removes_the_network(tmp_path):
+def test_two_level_network_shapes_only_the_uplinks():
+  net = network.Network(4, prefix=PREFIX, subnet=SUBNET, hosts_per_node=2)
+  uplinks = [end.device for end in net.plan.uplinks]
+  try:
+    net.up()
+    net.shape(1.0)
+    qdiscs = net.qdiscs()
+    assert len(qdiscs) == 4 and all("tbf" in q and "rate 1Gbit" in q for q in qdiscs)
+    host_ends = [end for pair in net.plan.veths for end in pair if end not in net.plan.shaped]
+    assert len(host_ends) == 8 and not any("tbf" in net.qdisc(end) for end in host_ends)
+    before = workload.uplink_tx_bytes(os.getpid(), uplinks)
+    assert net.one_way_latency_us() > 0  # host 0 reaches host 3, on the other node
+    assert workload.uplink_tx_bytes(os.getpid(), uplinks) > before + 200
+    net.unshape()
+    assert not any("tbf" in q for q in net.qdiscs())
+  finally:
+    net.down()
+  assert net.leftovers() == []
+
+
+@pytest.mark.slow
+@needs_netns
+def test_two_level_run_counts_bytes_between_and_inside_nodes(tmp_path):
+  out = tmp_path / "bench.json"
+  done = _bench(tmp_path, "--two-level", "--netns-prefix", PREFIX, "--methods",
+                "allreduce_ring,allreduce_torus", "--bandwidths", "1", "--size", "262144",
+                "--steps", "2", "--warmup", "1", "--timeout", "240", "--out", str(out))
+  assert done.returncode == 0, done.stdout + done.stderr
+  result = json.loads(out.read_text())
+  assert result["config"]["mesh_shape"] == {"node": 2, "local": 2}
+  runs = result["runs"]
+  assert [(r["method"], r["bandwidth_gbit"]) for r in runs] == [
+      ("allreduce_ring", 1.0), ("allreduce_ring", None),
+      ("allreduce_torus", 1.0), ("allreduce_torus", None)]
+  unshaped = {r["method"]: r["step_time_s"] for r in runs if r["bandwidth_gbit"] is None}
+  for row in runs:
+    assert row["status"] == "ok" and row["outputs_identical"], row.get("error")
+    assert row["unshaped_step_s"] == unshaped[row["method"]]
+    links = row["link_bytes"]
+    assert links["program"] == links["formula"]
+    for side in ("slow", "fast"):  # headers and line-ups on top of the program's bytes
+      assert links["program"][side] <= links["counters"][side]
+      assert links["counters"][side] < 1.1 * links["program"][side] + 50_000
+  assert "hierarchical_gtopk" in out.with_suffix(".md").read_text()  # the goals' section
+  assert network.Network(4, prefix=PREFIX).leftovers() == []
+
+
+@needs_netns
+@pytest.mark.parametrize("flags", [
+    ["--processes", "2", "--methods", "allreduce"],
+    pytest.param(["--two-level", "--processes", "2", "--local-size", "1", "--methods",
+                  "allreduce_ring"], id="two-level"),
+])
+def test_sigterm_kills_workers_and_removes_the_network(tmp_path, flags):
   proc = subprocess.Popen(
-      [sys.executable, "-m", "experiments.netbench", "--netns-prefix", PREFIX,
-       "--processes", "2", "--methods", "allreduce", "--bandwidths", "1", "--size", "4096",
+      [sys.executable, "-m", "experiments.netbench", "--netns-prefix", PREFIX, *flags,
+       "--bandwidths", "1", "--size", "4096",
        "--steps", "100000", "--timeout", "240", "--out", str(tmp_path / "bench.json")],
       cwd=REPO_ROOT, env=dict(os.environ, TMPDIR=str(tmp_path)),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -8,7 +8,13 @@ and it adds one row per bandwidth to the JSON. Every wait has a time-out: a
 run whose worker fails or hangs is killed (every worker's process group),
 recorded with its error and the tail of a worker's log, and the benchmark
 goes on. The network is removed on every way out: a normal end, an
-exception, Ctrl-C, SIGTERM, SIGHUP."""
+exception, Ctrl-C, SIGTERM, SIGHUP.
+
+``--two-level``: nodes of ``--local-size`` processes on a mesh ``(node,
+local)``, only the links between nodes shaped (:func:`network.plan`), the
+rows of :data:`workload.TWO_LEVEL_ROWS`, and after the shaped bandwidths one
+more phase with the shaping removed (the step at the machine's speed, in
+place of the compute alone)."""
 
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from experiments.netbench import workload
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join("experiments", "results", "netbench.json")
+DEFAULT_TWO_LEVEL_OUT = os.path.join("experiments", "results", "netbench_two_level.json")
 _BASE_PORT = 29500
 _GRACE_S = 20.0
 _LOG_TAIL = 3000
@@ -52,7 +59,6 @@ def _stop(signum, frame):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-  names = workload.method_names()
   parser = argparse.ArgumentParser(
       prog="python -m experiments.netbench",
       description=(
@@ -66,7 +72,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   )
   parser.add_argument(
       "--methods", default="all",
-      help=f"comma-separated methods, or 'all': {', '.join(names)}")
+      help=f"comma-separated methods, or 'all': {', '.join(workload.method_names())};"
+           f" with --two-level: {', '.join(workload.TWO_LEVEL_ROWS)}")
+  parser.add_argument(
+      "--two-level", action="store_true",
+      help="nodes of --local-size processes: a mesh (node, local), the links inside a"
+           " node unshaped, each node's uplink shaped to the bandwidth; two-level rows"
+           " (flat ring, 2D torus, flat and hierarchical compressors)")
+  parser.add_argument("--local-size", type=int, default=2,
+                      help="with --two-level: processes per node")
   parser.add_argument(
       "--bandwidths", default="1,10",
       help="comma-separated link bandwidths in Gbit/s (ignored on loopback)")
@@ -82,12 +96,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help="whose gradient shapes are exchanged")
   parser.add_argument("--size", type=int, default=None,
                       help="instead of --model, a small stand-in of about this many floats")
-  parser.add_argument("--out", default=DEFAULT_OUT,
-                      help="the JSON; the markdown table (.md) and the plot (.png) go beside it")
+  parser.add_argument("--out", default=None,
+                      help="the JSON; the markdown table (.md) and the plot (.png) go beside it"
+                           f" (default {DEFAULT_OUT}, with --two-level {DEFAULT_TWO_LEVEL_OUT})")
   parser.add_argument("--no-netns", action="store_true",
                       help="run over loopback without shaping even as root")
   parser.add_argument("--latency-us", type=float, default=0.0,
-                      help="one-way latency added to every link with netem (needs netem)")
+                      help="one-way latency added with netem (needs netem) to every link, with"
+                           " --two-level to the links between nodes")
   parser.add_argument("--timeout", type=float, default=900.0,
                       help="seconds each wait of a method's run may take (start and compile plus the"
                            " first bandwidth, each further bandwidth, the compute and exit)"
@@ -98,6 +114,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--no-report", action="store_true",
                       help="write the JSON only (no markdown, no plot)")
   args = parser.parse_args(argv)
+  names = list(workload.TWO_LEVEL_ROWS) if args.two_level else workload.method_names()
   args.methods = names if args.methods == "all" else [m for m in args.methods.split(",") if m]
   unknown = [m for m in args.methods if m not in names]
   if unknown:
@@ -107,6 +124,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.error(f"--bandwidths must be positive numbers, got {args.bandwidths}")
   if args.processes < 2:
     parser.error(f"--processes must be >= 2, got {args.processes}")
+  if args.two_level and (args.local_size < 1 or args.processes % args.local_size
+                         or args.processes // args.local_size < 2):
+    parser.error(f"--two-level: --local-size {args.local_size} must split --processes"
+                 f" {args.processes} into at least two nodes")
+  if args.out is None:
+    args.out = DEFAULT_TWO_LEVEL_OUT if args.two_level else DEFAULT_OUT
   if args.steps < 1 or args.warmup < 0 or args.compute_steps < 1:
     parser.error("--steps and --compute-steps must be >= 1, --warmup >= 0")
   if args.size is not None and args.size < 256:
@@ -179,6 +202,26 @@ def _load(path: str) -> dict:
     return {"error": f"{os.path.basename(path)}: no result written"}
 
 
+def worker_env(interface: Optional[str]) -> dict[str, str]:
+  """A worker's environment: gloo on ``interface``, the repository importable, CPU only.
+
+  Every worker runs on the CPU: JAX's platform is set, and the GPU is hidden
+  (``CUDA_VISIBLE_DEVICES`` empty), without which torch's DDP on a machine
+  with a GPU fails on CPU tensors (``Expected a cuda device, but got: cpu``).
+  """
+  return dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
+              GLOO_SOCKET_IFNAME=interface or "lo",
+              PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+
+
+def mesh_shape(args: argparse.Namespace) -> Optional[dict[str, int]]:
+  """The two-level mesh ``{node: nodes, local: L}`` (``None`` in one level)."""
+  if not args.two_level:
+    return None
+  slow, fast = workload.MESH_AXES
+  return {slow: args.processes // args.local_size, fast: args.local_size}
+
+
 def _median_of_max(per_worker: list[list[float]]) -> tuple[float, list[float]]:
   """Step ``i`` lasts as long as its slowest worker; the median over steps."""
   steps = [max(ts) for ts in zip(*per_worker)]
@@ -190,6 +233,7 @@ class Bench:
 
   def __init__(self, args: argparse.Namespace):
     self.args = args
+    self.mesh_shape = mesh_shape(args)
     self.shapes = workload.gradient_shapes(args.model, args.size)
     import jax  # the launcher never starts a backend; shapes only
     self.params = sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
@@ -236,15 +280,19 @@ class Bench:
         row.update(status="unavailable", error=why)
       return rows
     from jaxcomp import wire
-    expected = float(wire.expected_bytes(tx, self.shapes, args.processes).total)
+    expected = wire.expected_bytes(tx, self.shapes, self.mesh_shape or args.processes)
     interface = self.net.interface if self.net is not None else None
+    uplinks = [end.device for end in self.net.plan.uplinks] if self.net is not None else []
     with tempfile.TemporaryDirectory(prefix="netbench-") as tmp:
       coordinator = self._coordinator()
       procs = []
       for host in range(args.processes):
         spec = {
-            "method": workload.jax_method(method) if not workload.is_torch(method) else method,
+            "method": method,
             "config": rows[0]["config"],
+            "mesh_shape": self.mesh_shape,
+            "launcher_pid": os.getpid(),
+            "uplinks": uplinks if host == 0 else [],
             "process_id": host,
             "num_processes": args.processes,
             "coordinator": coordinator,
@@ -264,13 +312,10 @@ class Bench:
         spec_path = os.path.join(tmp, f"spec{host}.json")
         with open(spec_path, "w") as f:
           json.dump(spec, f)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", GLOO_SOCKET_IFNAME=interface or "lo",
-                   PYTHONPATH=os.pathsep.join(
-                       filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
         with open(os.path.join(tmp, f"log{host}.txt"), "w") as log:
           proc = subprocess.Popen(self._command(method, host, spec_path), cwd=REPO_ROOT,
-                                  env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  env=worker_env(interface), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(proc)
         _active.append(proc)
       status = "ok"
@@ -278,8 +323,12 @@ class Bench:
       try:
         for phase, bandwidth in enumerate(bandwidths):
           if self.net is not None:
-            self.net.shape(bandwidth, args.latency_us)
-            self.network.setdefault("qdiscs", {}).setdefault(f"{bandwidth:g}", self.net.qdiscs())
+            if bandwidth is None:
+              self.net.unshape()
+            else:
+              self.net.shape(bandwidth, args.latency_us)
+            self.network.setdefault("qdiscs", {}).setdefault(
+                report.bandwidth_key(bandwidth), self.net.qdiscs())
           with open(workload.phase_path(tmp, phase), "w"):
             pass
           paths = [workload.phase_result_path(tmp, h, phase) for h in range(args.processes)]
@@ -299,20 +348,25 @@ class Bench:
       error = next((r["error"] for r in finals if "error" in r), None)
       log_tail = _tail(os.path.join(tmp, "log0.txt"))
     for phase, row in enumerate(rows):
-      row.update(status=status, workers=workers, expected_bytes=expected)
+      row.update(status=status, workers=workers, expected_bytes=float(expected.total))
+      if self.mesh_shape:
+        row["expected_bytes_by_axes"] = {"+".join(k): float(v) for k, v in expected.by_axes.items()}
       if phase < len(phases):
         self._fill_phase(row, phases[phase], tx, finals)
       if status != "ok":
         row["error"] = error or f"{status} (time-out {args.timeout:g} s per phase)"
         row["log_tail"] = log_tail
+    unshaped = [r for r in rows if r["bandwidth_gbit"] is None and r["step_time_s"] is not None]
+    if self.mesh_shape and unshaped:
+      for row in rows:
+        row["unshaped_step_s"] = unshaped[0]["step_time_s"]
     return rows
 
   def _compressor(self, method: str):
     """``(compressor, None)`` of a row (the torch rows: their twin), or ``(None, why)``."""
-    from jaxcomp import registry
     if workload.is_torch(method) and importlib.util.find_spec("torch") is None:
       return None, "torch is not installed (pip install 'jaxcomp[peers]')"
-    return registry.build(workload.jax_method(method), "data", **workload.config(method)), None
+    return workload.build(method, self.mesh_shape), None
 
   def _fill_phase(self, row: dict, phase: list[dict], tx, finals: list[dict]) -> None:
     """A row's numbers from one phase's results and, when they came, the final ones."""
@@ -325,11 +379,8 @@ class Bench:
     if all(s is not None for s in sent):
       row["interface_bytes"] = statistics.fmean(sent) / args.steps
       row["interface_bytes_max"] = max(sent) / args.steps
-    if any("compute_times_s" not in r for r in finals):
+    if any("output_sha256" not in r for r in finals):
       return
-    compute_s, _ = _median_of_max([r["compute_times_s"] for r in finals])
-    row["compute_s"] = compute_s
-    row["exchange_s"] = step_s - compute_s
     row["outputs_identical"] = len({r["output_sha256"] for r in finals}) == 1
     first = finals[0]
     if "collective_bytes" in first:
@@ -337,9 +388,16 @@ class Bench:
       row["comm_bytes_by_kind"] = {
           k: float(Fraction(v)) for k, v in first["collective_bytes_by_kind"].items()}
       row["compile_s"] = max(r["compile_s"] for r in finals)
+      if self.mesh_shape:
+        self._fill_links(row, phase, first)
     else:
       row["ddp_bucket_sizes"] = first["ddp_bucket_sizes"]
       row["torch_version"] = first["torch_version"]
+    if any("compute_times_s" not in r for r in finals):
+      return
+    compute_s, _ = _median_of_max([r["compute_times_s"] for r in finals])
+    row["compute_s"] = compute_s
+    row["exchange_s"] = step_s - compute_s
     if row["bandwidth_gbit"] is not None:
       from jaxcomp import costmodel
       latency = self.network.get("model_latency_us", 0.0)
@@ -348,7 +406,28 @@ class Bench:
           compute_s=compute_s)
       row["predicted_over_measured"] = row["predicted_step_s"] / step_s
 
+  def _fill_links(self, row: dict, phase: list[dict], first: dict) -> None:
+    """Two levels: bytes by axes of the program, and per link of program, formula, counters."""
+    row["comm_bytes_by_axes"] = {
+        k: float(Fraction(v)) for k, v in first["collective_bytes_by_axes"].items()}
+    links = {"program": report.axes_link_bytes(row["comm_bytes_by_axes"], self.mesh_shape),
+             "formula": report.axes_link_bytes(row["expected_bytes_by_axes"], self.mesh_shape)}
+    sent = [r["tx_bytes"] for r in phase]
+    uplink = phase[0]["uplink_tx_bytes"]
+    if uplink is not None and all(s is not None for s in sent):
+      links["counters"] = report.counter_link_bytes(sent, uplink, self.args.steps)
+    row["link_bytes"] = links
+
   # ----------------------------------------------------------- the bench
+
+  def _links(self) -> str:
+    """The network's links, in words."""
+    tbf = "tc tbf rate <bandwidth> burst 256kb latency 50ms on both ends"
+    if not self.mesh_shape:
+      return f"one namespace per worker, veth to one bridge, {tbf}"
+    return (f"one namespace per worker, {self.args.local_size} per node on the node's bridge"
+            " by unshaped veths; each node's bridge joined to one switch bridge by a veth"
+            f" uplink, {tbf} of each uplink; last phase: every link unshaped")
 
   def config(self) -> dict:
     args = self.args
@@ -358,6 +437,7 @@ class Bench:
         versions[module] = importlib.import_module(module).__version__
     return {
         "processes": args.processes,
+        "mesh_shape": self.mesh_shape,
         "bandwidths_gbit": args.bandwidths if self.net else [],
         "methods": args.methods,
         "steps": args.steps,
@@ -380,11 +460,15 @@ class Bench:
                            " every byte sent has crossed the link), per step,"
                            " mean over workers (TCP/IP headers and the line-up"
                            " psums included)",
+        **({"link_bytes": report.LINK_BYTES,
+            "rows": {m: workload.TWO_LEVEL_ROWS[m] for m in args.methods}}
+           if self.mesh_shape else {}),
     }
 
   def write(self, finished: bool) -> dict:
-    result = {"config": self.config(), "runs": self.runs,
-              "summary": report.summary(self.runs, self.args.processes),
+    summary = (report.two_level_summary(self.runs) if self.mesh_shape
+               else report.summary(self.runs, self.args.processes))
+    result = {"config": self.config(), "runs": self.runs, "summary": summary,
               "finished": finished,
               "load_average_at_end": list(os.getloadavg())}
     out = self.args.out
@@ -400,22 +484,24 @@ class Bench:
     finished = False
     try:
       if self.network["mode"] == "netns":
-        self.net = network_lib.Network(args.processes, prefix=args.netns_prefix)
+        self.net = network_lib.Network(
+            args.processes, prefix=args.netns_prefix,
+            hosts_per_node=args.local_size if self.mesh_shape else None)
         self.net.up()
         self.net.shape(args.bandwidths[0])
         measured = self.net.one_way_latency_us()
         self.network.update({
-            "links": "one namespace per worker, veth to one bridge, tc tbf rate"
-                     " <bandwidth> burst 256kb latency 50ms on both ends",
+            "links": self._links(),
             "measured_one_way_latency_us": measured,
             "added_latency_us": args.latency_us,
             "model_latency_us": measured + args.latency_us,
         })
-        bandwidths = args.bandwidths
+        bandwidths = args.bandwidths + ([None] if self.mesh_shape else [])
       else:
         bandwidths = [None]
       for method in args.methods:
-        where = ", ".join("loopback" if b is None else f"{b:g} Gbit/s" for b in bandwidths)
+        where = ", ".join(("unshaped" if self.net else "loopback") if b is None
+                          else f"{b:g} Gbit/s" for b in bandwidths)
         print(f"netbench: {method} at {where} ...", flush=True)
         rows = self.run_method(method, bandwidths)
         self.runs.extend(rows)

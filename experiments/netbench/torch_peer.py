@@ -35,9 +35,14 @@ import sys
 import time
 import traceback
 
-import numpy as np
+# The peer runs on the CPU: a torch that sees a GPU makes DDP fail on CPU
+# tensors ("Expected a cuda device, but got: cpu"). Hidden before torch is
+# imported (in run), whatever environment the peer was started with.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from experiments.netbench import workload
+import numpy as np  # noqa: E402
+
+from experiments.netbench import workload  # noqa: E402
 
 START_POWERSGD_ITER = 2
 

@@ -17,6 +17,13 @@ workers at once so that they contend for the cores as in the real step: the
 compression compute. ``SPEC["out"]`` gets the compute times, the bytes of the
 compiled step (:func:`jaxcomp.wire.collective_bytes`) and a digest of the
 result (equal on every worker when the output is bitwise identical).
+
+Two levels (``SPEC["mesh_shape"]``, see :mod:`.workload`): the mesh is
+``(nodes, L)`` over every process's device; there is no compute on one
+device alone (:func:`jaxcomp.hierarchical` needs its fast axis), the
+launcher times an unshaped phase instead; the compiled step's bytes are
+also given per mesh axis, and process 0 reads the uplinks between nodes
+(``SPEC["uplinks"]``, in the launcher's namespace) with its own counters.
 """
 
 from __future__ import annotations
@@ -39,7 +46,6 @@ import numpy as np  # noqa: E402
 
 from experiments import shapes as shapes_lib  # noqa: E402
 from experiments.netbench import workload  # noqa: E402
-from jaxcomp import registry  # noqa: E402
 from jaxcomp import training  # noqa: E402
 from jaxcomp import wire  # noqa: E402
 
@@ -48,7 +54,7 @@ AXIS = "data"
 
 def _stacked(tree, mesh):
   """This process's arrays as the local row of ``[P, ...]`` arrays sharded over ``mesh``."""
-  sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+  sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
   count = mesh.devices.size
   device = jax.local_devices()[0]
 
@@ -79,11 +85,13 @@ def run(spec: dict) -> dict:
       initialization_timeout=spec["init_timeout_s"],
   )
   host = jax.process_index()
-  mesh = Mesh(np.array(jax.devices()), (AXIS,))
+  mesh_shape = spec["mesh_shape"] or {AXIS: spec["num_processes"]}
+  axes = tuple(mesh_shape)
+  mesh = Mesh(workload.mesh_devices(jax.devices(), mesh_shape), axes)
   ones = _stacked(jnp.ones([], jnp.float32), mesh)
   line_up = jax.jit(jax.shard_map(
-      lambda x: jax.lax.psum(x, AXIS), mesh=mesh, in_specs=PartitionSpec(AXIS),
-      out_specs=PartitionSpec(AXIS), check_vma=False))
+      lambda x: jax.lax.psum(x, axes), mesh=mesh, in_specs=PartitionSpec(axes),
+      out_specs=PartitionSpec(axes), check_vma=False))
   barrier = lambda: jax.block_until_ready(line_up(ones))
   # The first collective sets up gloo's connections, and gives up when a
   # worker is more than 30 s late: do it while the workers are in step.
@@ -92,14 +100,15 @@ def run(spec: dict) -> dict:
   shapes = workload.gradient_shapes(spec["model"], spec["size"])
   key = jax.random.fold_in(jax.random.key(spec["seed"]), host)
   grads = shapes_lib.normal(shapes, key)
-  tx = registry.build(spec["method"], AXIS, **spec["config"])
+  tx = workload.build(spec["method"], spec["mesh_shape"])
 
   global_grads = _stacked(grads, mesh)
   state = _stacked(tx.init(grads), mesh)
   start = time.perf_counter()
-  step = training.make_update(tx, mesh, AXIS, donate=True).lower(global_grads, state).compile()
+  step = training.make_update(tx, mesh, axes, donate=True).lower(global_grads, state).compile()
   compile_s = time.perf_counter() - start
-  counted = wire.collective_bytes(step)
+  counted = wire.collective_bytes(step, mesh_shape=mesh_shape)
+  uplinks = lambda: workload.uplink_tx_bytes(spec["launcher_pid"], spec["uplinks"])
 
   for phase in range(spec["phases"]):
     workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
@@ -107,39 +116,47 @@ def run(spec: dict) -> dict:
     # A worker leaves a step once it has received what it needs, while what it
     # sent may still wait in its socket buffer and qdisc. Past a line-up every
     # worker has finished the steps before, so every byte they sent has
-    # crossed its eth0: the counters are read there.
+    # crossed its eth0 (and the uplinks): the counters are read there.
     barrier()
-    sent_before = workload.tx_bytes(spec["interface"])
+    sent_before, up_before = workload.tx_bytes(spec["interface"]), uplinks()
     times, out, state = _timed(step, global_grads, state, barrier, spec["steps"])
     barrier()
-    sent_after = workload.tx_bytes(spec["interface"])
+    sent_after, up_after = workload.tx_bytes(spec["interface"]), uplinks()
     workload.write_json(workload.phase_result_path(spec["sync_dir"], host, phase), {
         "step_times_s": times,
         "tx_bytes": None if sent_before is None else sent_after - sent_before,
+        "uplink_tx_bytes": None if up_before is None else up_after - up_before,
     })
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(out):
     digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
   del out, state, global_grads
 
+  result = {
+      "process": host,
+      "pid": os.getpid(),
+      "compile_s": compile_s,
+      "collective_bytes": str(counted.total),
+      "collective_bytes_by_kind": {k: str(v) for k, v in counted.by_kind.items()},
+      "collective_bytes_by_axes": {"+".join(k): str(v) for k, v in counted.by_axes.items()},
+      "output_sha256": digest.hexdigest(),
+  }
+  if spec["mesh_shape"] is None:
+    result["compute_times_s"] = _compute_alone(tx, grads, barrier, spec["compute_steps"])
+  return result
+
+
+def _compute_alone(tx, grads, barrier, count: int) -> list[float]:
+  """Seconds of ``count`` steps of the update on a mesh of this device alone (no network)."""
   alone = Mesh(np.array(jax.local_devices()[:1]), (AXIS,))
   local_grads = _stacked(grads, alone)
   local_state = _stacked(tx.init(grads), alone)
   local_step = training.make_update(tx, alone, AXIS, donate=True).lower(
       local_grads, local_state).compile()
   _, _, local_state = _timed(local_step, local_grads, local_state, barrier, 1)
-  compute, _, _ = _timed(local_step, local_grads, local_state, barrier, spec["compute_steps"])
+  compute, _, _ = _timed(local_step, local_grads, local_state, barrier, count)
   barrier()
-
-  return {
-      "process": host,
-      "pid": os.getpid(),
-      "compute_times_s": compute,
-      "compile_s": compile_s,
-      "collective_bytes": str(counted.total),
-      "collective_bytes_by_kind": {k: str(v) for k, v in counted.by_kind.items()},
-      "output_sha256": digest.hexdigest(),
-  }
+  return compute
 
 
 def main(argv) -> int:

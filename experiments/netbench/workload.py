@@ -1,9 +1,15 @@
 """What is exchanged: the gradient shapes and the methods, shared by launcher and workers.
 
-The jaxcomp methods are :data:`jaxcomp.registry.METHODS` with their defaults
-(built with :func:`jaxcomp.registry.build`); the torch rows run PyTorch DDP
-with one of its comm hooks, and are priced by the cost model as their
-jaxcomp twin.
+One level: the jaxcomp methods are :data:`jaxcomp.registry.METHODS` with
+their defaults (built with :func:`jaxcomp.registry.build`) over one axis;
+the torch rows run PyTorch DDP with one of its comm hooks, and are priced by
+the cost model as their jaxcomp twin.
+
+Two levels: the mesh is ``(nodes, L)`` with the axes :data:`MESH_AXES`
+(slow, then fast), processes ``n L`` to ``n L + L - 1`` on node ``n``, and
+the rows are :data:`TWO_LEVEL_ROWS`: the dense mean as one flat ring and as
+the 2D torus, flat gTop-k over both axes, and :func:`jaxcomp.hierarchical`
+around a compressor over the slow axis.
 """
 
 from __future__ import annotations
@@ -12,13 +18,19 @@ import json
 import math
 import os
 import time
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from experiments import shapes
+from jaxcomp import hierarchy
+from jaxcomp import protocol
 from jaxcomp import registry
+from jaxcomp import wire
 
 MODELS = {"resnet50": shapes.resnet50, "transformer": shapes.transformer}
 
@@ -28,6 +40,23 @@ TORCH_TWINS = {
     "torch_fp16": "cast",
     "torch_powersgd": "powersgd",
 }
+
+# The two-level mesh's axes: between nodes (slow), inside a node (fast).
+MESH_AXES = ("node", "local")
+SLOW, FAST = MESH_AXES
+
+# Two-level row -> what it runs, in words (see :func:`build`).
+TWO_LEVEL_ROWS = {
+    "allreduce_ring": "dense mean, one ring over all processes (psum over both axes)",
+    "allreduce_torus": "dense mean, 2D torus: reduce-scatter and all-gather inside"
+                       " a node, all-reduce of the 1/L chunk between nodes",
+    "gtopk": "gTop-k butterfly over both axes",
+    "hierarchical_gtopk": "hierarchical(gtopk over node)",
+    "hierarchical_dgc": "hierarchical(dgc over node)",
+    "hierarchical_powersgd": "hierarchical(powersgd over node)",
+    "hierarchical_acpsgd": "hierarchical(acpsgd over node)",
+}
+_HIERARCHICAL = "hierarchical_"
 
 _SYNTHETIC_WIDTH = 128
 
@@ -41,13 +70,67 @@ def is_torch(method: str) -> bool:
 
 
 def jax_method(method: str) -> str:
-  """The jaxcomp method a row is built (or priced) as."""
+  """The jaxcomp method a row is built (or priced) as (for two levels: the one inside)."""
+  if method.startswith(_HIERARCHICAL):
+    return method[len(_HIERARCHICAL):]
+  if method.startswith("allreduce_"):
+    return "allreduce"
   return TORCH_TWINS.get(method, method)
 
 
 def config(method: str) -> dict:
   """The configuration a row runs with (the registry's defaults)."""
   return registry.configuration(jax_method(method))
+
+
+def build(method: str, mesh_shape: Optional[Mapping[str, int]] = None
+          ) -> optax.GradientTransformation:
+  """The compressor of a row: over the axis ``"data"``, or over ``mesh_shape``'s two axes.
+
+  Two levels: ``allreduce_torus`` reduce-scatters over the fast axis first,
+  so that the slow links carry only the all-reduce of the ``1/L`` chunk.
+  """
+  if mesh_shape is None:
+    return registry.build(jax_method(method), "data", **config(method))
+  if method not in TWO_LEVEL_ROWS:
+    raise ValueError(f"`method` must be one of {list(TWO_LEVEL_ROWS)}, got {method!r}")
+  if method == "allreduce_ring":
+    return flat_ring_allreduce(MESH_AXES)
+  if method == "allreduce_torus":
+    return registry.build("allreduce", (FAST, SLOW))
+  if method == "gtopk":
+    return registry.build("gtopk", MESH_AXES, **config(method))
+  inner = registry.build(jax_method(method), SLOW, **config(method))
+  return hierarchy.hierarchical(inner, FAST, mesh_shape[FAST])
+
+
+def flat_ring_allreduce(axes: Sequence[str]) -> optax.GradientTransformation:
+  """The dense mean as one ``psum`` over all of ``axes``: a flat ring, blind to the levels.
+
+  ``jaxcomp.allreduce`` over a pair of axes runs the 2D torus; this is the
+  baseline it is compared with. Wire: ``2 (P - 1) / P * 4 n`` bytes per
+  device over all the axes (in a ring over ``P`` devices in mesh order,
+  ``nodes`` of the ``P`` hops cross between nodes).
+  """
+  axes = tuple(axes)
+
+  def step(ctx, corrected, state):
+    del state
+    return protocol.Output(mean=lax.psum(ctx.send(corrected), ctx.axes))
+
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    return wire.allreduce(bucket.size * 4, sizes) if bucket.size else ()
+
+  return protocol.compressor(protocol.Method(
+      name="allreduce", config={"axis_name": axes, "flat_ring": True}, axes=axes,
+      state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True))
+
+
+def mesh_devices(devices: Sequence, mesh_shape: Mapping[str, int]) -> np.ndarray:
+  """``devices`` as the mesh array: in process order, process ``n L + j`` at ``[n, j]``."""
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return np.array(ordered, dtype=object).reshape(tuple(mesh_shape.values()))
 
 
 def gradient_shapes(model: str, size: Optional[int] = None) -> dict:
@@ -111,6 +194,33 @@ def write_json(path: str, value) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(value, f)
   os.replace(path + ".tmp", path)
+
+
+def net_dev_tx_bytes(text: str, interfaces: Sequence[str]) -> int:
+  """The summed ``tx_bytes`` of ``interfaces`` in a ``/proc/<pid>/net/dev`` listing.
+
+  Raises:
+    KeyError: an interface is not listed.
+  """
+  sent = {}
+  for line in text.splitlines():
+    if ":" in line:
+      name, fields = line.split(":", 1)
+      sent[name.strip()] = int(fields.split()[8])
+  return sum(sent[name] for name in interfaces)
+
+
+def uplink_tx_bytes(pid: int, interfaces: Sequence[str]) -> Optional[int]:
+  """Bytes ``interfaces`` of process ``pid``'s network namespace have sent (``None``: none).
+
+  A worker lives in its own namespace; the launcher's (``pid``) holds the
+  uplinks between nodes, and ``/proc/<pid>/net/dev`` lists that namespace's
+  interfaces from anywhere.
+  """
+  if not interfaces:
+    return None
+  with open(f"/proc/{pid}/net/dev") as f:
+    return net_dev_tx_bytes(f.read(), interfaces)
 
 
 def tx_bytes(interface: Optional[str]) -> Optional[int]:
