@@ -12,24 +12,55 @@ alternates its two halves); the ratio is to dense ``allreduce`` timed in the
 same run. The last column is the formula's bytes per device per step for
 ``--devices`` workers on a ring, for scale.
 
+With ``--fast X`` it times instead, on a mesh ``(1, X)`` of axes
+``("slow", "fast")`` (``X`` fake CPU devices), every registered method two
+ways: flat, built over both axes, so every device compresses the whole
+gradient; and :func:`jaxcomp.hierarchical` around it built over ``"slow"``,
+so every device compresses its ``1/X`` shard after a dense reduce-scatter
+over ``"fast"``. Its compression compute is each step less its dense
+counterpart's, every exchange taken out; the dense programs are timed in the
+same rounds as each method (:class:`HierarchicalRow`, :data:`DEFINITIONS`).
+
   python -m experiments.bench_compression --model resnet50 --repeats 3
+  python -m experiments.bench_compression --fast 2 --model resnet50 \\
+      --out experiments/results/bench_compression_hierarchical.md
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
-from typing import Callable
+import os
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from experiments import compute
 from experiments import shapes
+import jaxcomp
+from jaxcomp import hierarchy
 from jaxcomp import registry
+from jaxcomp import training
 from jaxcomp import wire
 
-MODELS = {"resnet50": shapes.resnet50, "transformer": shapes.transformer}
+
+def tiny() -> dict:
+  """Four small leaves (875 elements, a scalar among them): for tests, not for timing."""
+  leaf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  return {"conv": leaf(3, 3, 4, 8), "w": leaf(18, 32), "b": leaf(10), "s": leaf()}
+
+
+MODELS = {"resnet50": shapes.resnet50, "transformer": shapes.transformer, "tiny": tiny}
+# The models --model all runs (tiny is for tests).
+ALL_MODELS = ("resnet50", "transformer")
+GOAL = 0.6  # issue 14: hierarchical compression compute <= 0.6x the flat method's
+SLOW, FAST = "slow", "fast"
 
 
 # Extra rows beside each method's registry defaults: name -> configurations.
@@ -37,9 +68,15 @@ VARIANTS = {"signsgd": ({"majority_vote": True},)}
 
 
 def _label(name: str, config: dict) -> str:
-  settings = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in config.items())
-  return f"{name}({settings})" if settings else name
+  text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in config.items())
+  return f"{name}({text})" if text else name
+
+
+def settings(name: str, rank: int, density: float) -> dict:
+  """The registry defaults of ``name``, its ``rank`` or ``density`` (where it has one) replaced."""
+  overrides = {"rank": rank, "density": density}
+  return {k: overrides.get(k, v) for k, v in registry.get(name).defaults.items()}
 
 
 def compressors(rank: int, density: float) -> dict[str, Callable[[], optax.GradientTransformation]]:
@@ -48,22 +85,338 @@ def compressors(rank: int, density: float) -> dict[str, Callable[[], optax.Gradi
   Each method runs with its :data:`jaxcomp.registry.METHODS` defaults, its
   ``rank`` or ``density`` (where it has one) replaced by these.
   """
-  overrides = {"rank": rank, "density": density}
   table = {}
   for method in registry.METHODS.values():
-    config = {k: overrides.get(k, v) for k, v in method.defaults.items()}
+    config = settings(method.name, rank, density)
     for variant in ({}, *VARIANTS.get(method.name, ())):
-      settings = {**config, **variant}
-      table[_label(method.name, settings)] = functools.partial(
-          registry.build, method.name, compute.AXIS, **settings)
+      chosen = {**config, **variant}
+      table[_label(method.name, chosen)] = functools.partial(
+          registry.build, method.name, compute.AXIS, **chosen)
   return table
+
+
+PROGRAMS = ("dense", "local_dense", "hier_dense", "half_local_dense", "flat", "flat_local",
+            "hier", "half_local")
+
+
+class HierarchicalRow(NamedTuple):
+  """One method on the ``(1, X)`` mesh: seconds of each program in the same rounds.
+
+  The programs (every one a step of ``update`` on every device of the mesh):
+  ``"dense"``, ``allreduce`` over both axes; ``"local_dense"``, ``allreduce``
+  over ``"slow"`` alone (a group of one: the fused copy, no exchange);
+  ``"hier_dense"``, ``hierarchical(allreduce)``; ``"flat"``, the method over
+  both axes; ``"flat_local"``, the method over ``"slow"`` alone (the whole
+  gradient compressed, its collectives over a group of one); ``"hier"``,
+  ``hierarchical`` of the method over ``"slow"``; ``"half_local"`` and
+  ``"half_local_dense"``, the method and ``allreduce`` over ``"slow"`` alone on
+  a gradient shaped like one device's shard (:func:`jaxcomp.hierarchy.shard_shapes`),
+  without the hierarchy around them.
+
+  Attributes:
+    name: the registry name.
+    label: the name with the settings it ran with.
+    rounds: ``{program: [seconds of each timed round]}``.
+    compile_s: ``{program: seconds of its warm-up step}`` (the compile).
+    state_elements: ``{"flat": ..., "hier": ...}``, the elements of one
+      device's compressor state (residual, momentum, factors) in each
+      program: the hierarchical one is sized to the shard.
+  """
+
+  name: str
+  label: str
+  rounds: dict
+  compile_s: dict
+  state_elements: dict
+
+  def ms(self, program: str) -> float:
+    """Median milliseconds per step of ``program``."""
+    return statistics.median(self.rounds[program]) * 1e3
+
+  @property
+  def flat_compute_ms(self) -> float:
+    """``flat_local - local_dense``: compressing the whole gradient, no exchange."""
+    return self.ms("flat_local") - self.ms("local_dense")
+
+  @property
+  def hier_compute_ms(self) -> float:
+    """``hier - hier_dense``: compressing the shard, the hierarchy's exchange taken out."""
+    return self.ms("hier") - self.ms("hier_dense")
+
+  @property
+  def half_compute_ms(self) -> float:
+    """``half_local - half_local_dense``: compressing a shard-shaped gradient, no hierarchy."""
+    return self.ms("half_local") - self.ms("half_local_dense")
+
+  @property
+  def flat_over_dense_ms(self) -> float:
+    """``flat - dense``: what the flat step adds to the dense step."""
+    return self.ms("flat") - self.ms("dense")
+
+  @property
+  def hier_over_dense_ms(self) -> float:
+    """``hier - dense``: what the hierarchical step adds to the dense step."""
+    return self.ms("hier") - self.ms("dense")
+
+  def _over(self, part: float, whole: float) -> Optional[float]:
+    # allreduce's differences are noise around 0: no ratio.
+    return part / whole if whole > 0 and self.name != "allreduce" else None
+
+  @property
+  def ratio(self) -> Optional[float]:
+    """``hier_compute_ms / flat_compute_ms``, the goal's; ``None`` if flat compute <= 0."""
+    return self._over(self.hier_compute_ms, self.flat_compute_ms)
+
+  @property
+  def half_ratio(self) -> Optional[float]:
+    """``half_compute_ms / flat_compute_ms``: how the method's compute follows n."""
+    return self._over(self.half_compute_ms, self.flat_compute_ms)
+
+  @property
+  def step_ratio(self) -> Optional[float]:
+    """``hier_over_dense_ms / flat_over_dense_ms``; ``None`` if flat is no slower than dense."""
+    return self._over(self.hier_over_dense_ms, self.flat_over_dense_ms)
+
+  @property
+  def meets_goal(self) -> Optional[bool]:
+    """``ratio <= GOAL``; ``None`` for ``allreduce`` (the baseline) or without a ratio."""
+    return None if self.ratio is None else self.ratio <= GOAL
+
+
+def _program(tx, mesh, grads, params) -> tuple[Callable[[], object], int]:
+  """One step of ``tx.update`` on every device, its state fed back from step to step,
+  and the elements of one device's state."""
+  axes = (SLOW, FAST)  # the arrays' rows, one per device, whichever axes tx reduces over
+  update = training.make_update(tx, mesh, axes, donate=True)
+  state = training.init_state(tx, params, mesh, axes)
+  elements = sum(x.size // x.shape[0] for x in jax.tree.leaves(state))
+
+  def step():
+    nonlocal state
+    out, state = update(grads, state)
+    return out, state
+
+  return step, elements
+
+
+def _seconds(step: Callable[[], object]) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(step())
+  return time.perf_counter() - start
+
+
+def _rounds(programs: dict, repeats: int) -> tuple[dict, dict]:
+  """A warm-up round (the compiles), then ``repeats`` rounds of every program once.
+
+  The programs run one after the other, each step blocked before the next
+  starts, in an order rotated by one from round to round, so a change in the
+  machine's load falls on all of them alike.
+  """
+  order = list(programs)
+  compile_s = {p: _seconds(programs[p]) for p in order}
+  rounds = {p: [] for p in order}
+  for r in range(repeats):
+    for p in order[r % len(order):] + order[:r % len(order)]:
+      rounds[p].append(_seconds(programs[p]))
+  return compile_s, rounds
+
+
+def hierarchical_rows(
+    model_shapes, fast: int, names, rank: int, density: float, repeats: int,
+    log: Callable[[str], None] = lambda line: None,
+) -> list[HierarchicalRow]:
+  """Times every method in ``names`` flat and hierarchical on a ``(1, fast)`` mesh.
+
+  Each device gets its own Gaussian gradient shaped like ``model_shapes``.
+  The three dense programs of :class:`HierarchicalRow` are compiled once and
+  timed again in every method's rounds, so each row's differences and ratios
+  come from the same rounds.
+  """
+  mesh = training.make_mesh((1, fast), (SLOW, FAST))
+
+  def inputs(like, seed):
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((fast,) + s.shape, s.dtype), like)
+    return (training.shard(shapes.normal(stacked, jax.random.key(seed)), mesh, (SLOW, FAST)),
+            shapes.zeros(like))
+
+  whole = inputs(model_shapes, 0)
+  half = inputs(hierarchy.shard_shapes(model_shapes, fast), 1)
+  build = lambda tx, data=whole: _program(tx, mesh, *data)  # noqa: E731
+  allreduce = functools.partial(registry.build, "allreduce")
+  dense = {
+      "dense": build(allreduce((SLOW, FAST)))[0],
+      "local_dense": build(allreduce(SLOW))[0],
+      "hier_dense": build(jaxcomp.hierarchical(allreduce(SLOW), FAST, fast))[0],
+      "half_local_dense": build(allreduce(SLOW), half)[0],
+  }
+  rows = []
+  for name in names:
+    config = settings(name, rank, density)
+    flat, flat_elements = build(registry.build(name, (SLOW, FAST), **config))
+    flat_local, _ = build(registry.build(name, SLOW, **config))
+    hier, hier_elements = build(
+        jaxcomp.hierarchical(registry.build(name, SLOW, **config), FAST, fast))
+    half_local, _ = build(registry.build(name, SLOW, **config), half)
+    compile_s, rounds = _rounds({**dense, "flat": flat, "flat_local": flat_local, "hier": hier,
+                                 "half_local": half_local}, repeats)
+    row = HierarchicalRow(name, _label(name, config), rounds, compile_s,
+                          {"flat": flat_elements, "hier": hier_elements})
+    rows.append(row)
+    log(f"  {row.label}: " + ", ".join(f"{p} {row.ms(p):.1f}" for p in PROGRAMS) + " ms")
+    del flat, flat_local, hier, half_local  # their states go before the next method's are made
+  return rows
+
+
+STEP_COLUMNS = ("compressor", "dense ms", "flat ms", "hier ms", "local dense ms",
+                "flat local ms", "hier(dense) ms", "half local dense ms", "half local ms",
+                "compile s flat / hier")
+COMPUTE_COLUMNS = ("compressor", "flat compute ms", "hier compute ms", "hier/flat",
+                   f"<= {GOAL:g}", "half-n compute ms", "half-n/flat", "flat - dense ms",
+                   "hier - dense ms", "(hier - dense)/(flat - dense)",
+                   "state elements/device flat / hier")
+
+
+def _ratio(value: Optional[float]) -> str:
+  return "n/a" if value is None else f"{value:.2f}"
+
+
+def _goal(row: HierarchicalRow) -> str:
+  if row.name == "allreduce":
+    return "n/a (baseline)"
+  return {None: "n/a", True: "yes", False: "**no**"}[row.meets_goal]
+
+
+def _markdown(columns, lines) -> str:
+  return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                   + ["| " + " | ".join(cells) + " |" for cells in lines])
+
+
+def render_rows(rows: list[HierarchicalRow]) -> str:
+  """Two Markdown tables: :data:`STEP_COLUMNS` (ms/step), then :data:`COMPUTE_COLUMNS`."""
+  steps = [[row.label,
+            *(f"{row.ms(p):.2f}" for p in ("dense", "flat", "hier", "local_dense",
+                                           "flat_local", "hier_dense", "half_local_dense",
+                                           "half_local")),
+            f"{row.compile_s['flat']:.1f} / {row.compile_s['hier']:.1f}"] for row in rows]
+  computes = [[row.label, f"{row.flat_compute_ms:.2f}", f"{row.hier_compute_ms:.2f}",
+               _ratio(row.ratio), _goal(row), f"{row.half_compute_ms:.2f}",
+               _ratio(row.half_ratio), f"{row.flat_over_dense_ms:.2f}",
+               f"{row.hier_over_dense_ms:.2f}", _ratio(row.step_ratio),
+               f"{row.state_elements['flat']:,} / {row.state_elements['hier']:,}"]
+              for row in rows]
+  return (_markdown(STEP_COLUMNS, steps) + "\n\nCompression compute per device:\n\n"
+          + _markdown(COMPUTE_COLUMNS, computes))
+
+
+DEFINITIONS = f"""\
+- Programs (each a step of `update` on both devices at once, ms/step):
+  - **dense**: `allreduce` over `("slow", "fast")`: one `psum` of the whole gradient over
+    the X devices, the baseline step.
+  - **flat**: the method built over `("slow", "fast")`: every device compresses the whole
+    gradient and exchanges its payload with the other devices.
+  - **hier**: `jaxcomp.hierarchical(method over "slow", "fast", X)`: a dense reduce-scatter
+    over "fast", the method on this device's 1/X row-block shard, an all-gather back. The
+    "slow" axis is a group of one here, so the method's own collectives exchange nothing.
+  - **local dense**: `allreduce` over "slow" alone (a group of one): the fused copy in and out
+    that every method pays, without any exchange.
+  - **flat local**: the method over "slow" alone: every device compresses the whole
+    gradient, its collectives over a group of one (nothing exchanged).
+  - **hier(dense)**: `hierarchical(allreduce("slow"), "fast", X)`: the hierarchy's
+    reduce-scatter, layout and all-gather around a fused copy of the shard.
+  - **half local**, **half local dense**: the method and `allreduce` over "slow" alone on a
+    gradient shaped like one device's shard (`jaxcomp.hierarchy.shard_shapes`), no hierarchy.
+- **flat compute** = flat local - local dense; **hier compute** = hier - hier(dense): the
+  compression's own compute per device, every exchange taken out of both (the hierarchical
+  method's "slow" collectives are over a group of one, as flat local's are). **hier/flat** is
+  their ratio, the goal's (issue 14: <= {GOAL:g}); n/a where flat compute <= 0 and for allreduce.
+- **half-n compute** = half local - half local dense: the method's compute on the shard's
+  shapes without the hierarchy; **half-n/flat** shows how the method's own compute follows n
+  (0.5 if it is proportional to n): where hier/flat misses the goal and half-n/flat misses it
+  too, the method's compute does not halve with n; where only hier/flat misses, the hierarchy
+  costs more around the method than around a fused copy.
+- **flat - dense**, **hier - dense** and their ratio: each step less the dense step, shown for
+  comparison, not for the goal. flat - dense holds flat's own exchange over the X devices
+  (flat - flat local) less dense's (dense - local dense), which hier, on a "slow" group of one,
+  does not pay; hier - dense holds the hierarchy's exchange and layout beyond dense's.
+- Each dense program is timed in every method's rounds; the allreduce row's flat, flat local,
+  hier and half local are the same programs as dense, local dense, hier(dense) and half local
+  dense compiled again, so their differences show the noise of a difference here.
+- **state elements/device**: the elements of one device's compressor state (residual,
+  momentum, factors, counters), flat and hierarchical: the hierarchical state is sized to the
+  shard (rows padded to a multiple of X)."""
+
+
+def _cpu_note(fast: int) -> str:
+  cores = os.cpu_count()
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    return f"{fast} devices of {device.device_kind} ({device.platform})"
+  return (f"{fast} fake CPU devices (`jax_num_cpu_devices`) in one process on {cores} CPU"
+          f" cores: each device gets roughly {cores / fast:g} core(s) (the devices share XLA's"
+          " CPU thread pool; nothing is pinned)")
+
+
+def run_hierarchical(args, argv, names, log=print) -> str:
+  """The ``--fast`` mode: times every model of ``args``, returns the Markdown report."""
+  start, load_start = time.perf_counter(), os.getloadavg()[0]
+  models = list(ALL_MODELS) if args.model == "all" else [args.model]
+  header = [
+      f"# Hierarchical vs flat compression compute, fast axis of {args.fast}", "",
+      f"Command: `python -m experiments.bench_compression {' '.join(argv)}`", "",
+      f"Date {datetime.date.today().isoformat()}; jax {jax.__version__}, backend"
+      f" {jax.default_backend()}; {_cpu_note(args.fast)}. Mesh (1, {args.fast}), axes"
+      f" (\"slow\", \"fast\"). Each figure is the median of {args.repeats} rounds after a"
+      " warm-up round (the compiles, excluded); a round runs each of the eight programs below"
+      " once, one after the other, each step under `jax.block_until_ready`, in an order"
+      f" rotated from round to round. Rank {args.rank}, density {args.density:g}, other"
+      " settings the registry's defaults.", ""]
+  log("\n".join(header))
+  sections = []
+  for model in models:
+    model_shapes = MODELS[model]()
+    title = f"## {model}: {shapes.num_params(model_shapes):,} gradient elements"
+    log(title)
+    rows = hierarchical_rows(model_shapes, args.fast, names, args.rank, args.density,
+                             args.repeats, log=log)
+    met = [r.name for r in rows if r.meets_goal]
+    missed = [r.name for r in rows if r.meets_goal is False]
+    by_step = [r.name for r in rows
+               if r.name != "allreduce" and r.step_ratio is not None and r.step_ratio <= GOAL]
+    summary = (f"hier/flat <= {GOAL:g}: {', '.join(met) or 'none'}; missed:"
+               f" {', '.join(missed) or 'none'}. By (hier - dense)/(flat - dense) <= {GOAL:g}:"
+               f" {', '.join(by_step) or 'none'}.")
+    table = render_rows(rows)
+    log("\n" + table + "\n\n" + summary + "\n")
+    sections += [title, "", "Step time:", "", table, "", summary, ""]
+  wall = time.perf_counter() - start
+  footer = [f"Wall time of the run: {wall:.0f} s; 1-minute load average {load_start:.2f} at"
+            f" the start, {os.getloadavg()[0]:.2f} at the end (the run's own threads included).",
+            "", "How to read it:", "", DEFINITIONS, ""]
+  log("\n".join(footer))
+  return "\n".join(header + sections + footer)
+
+
+def hierarchical_names(only: str = "") -> list[str]:
+  """The registry's names (``allreduce`` always), kept to the ``--only`` prefixes if any."""
+  wanted = [p for p in only.split(",") if p]
+  return [n for n in registry.names() if n == "allreduce" or not wanted
+          or any(n.startswith(p) for p in wanted)]
+
+
+def _use_cpu_devices(count: int) -> None:
+  """``count`` fake CPU devices, where JAX has not started yet (a test's conftest may have)."""
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:  # the backend is up already: use its devices if there are enough
+    pass
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m experiments.bench_compression",
       description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
+  parser.add_argument("--model", choices=[*MODELS, "all"], default="all",
+                      help="all: resnet50 and transformer")
   parser.add_argument("--repeats", type=int, default=5, help="timed steps per compressor")
   parser.add_argument("--rank", type=int, default=4, help="PowerSGD / ACP-SGD rank")
   parser.add_argument("--density", type=float, default=0.001, help="sparsifiers' density")
@@ -71,11 +424,32 @@ def main(argv=None) -> None:
                       help="workers for the bytes column (formula, ring)")
   parser.add_argument("--only", default="",
                       help="comma-separated name prefixes of compressors to run")
+  parser.add_argument("--fast", type=int, default=0,
+                      help="X >= 2: flat against jaxcomp.hierarchical on a (1, X) mesh of"
+                           " X fake CPU devices (0: the one-device table)")
+  parser.add_argument("--out", default="",
+                      help="with --fast: also write the Markdown report to this path")
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error("--repeats must be >= 1")
+  if args.fast == 1 or args.fast < 0:
+    parser.error("--fast must be 0 (off) or >= 2")
+  if args.out and not args.fast:
+    parser.error("--out goes with --fast")
 
-  models = list(MODELS) if args.model == "all" else [args.model]
+  if args.fast:
+    _use_cpu_devices(args.fast)
+    if len(jax.devices()) < args.fast:
+      parser.error(f"--fast {args.fast} needs {args.fast} devices, JAX has"
+                   f" {len(jax.devices())} (set before JAX started)")
+    report = run_hierarchical(args, argv, hierarchical_names(args.only))
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(report)
+    return
+
+  models = list(ALL_MODELS) if args.model == "all" else [args.model]
   table = compressors(args.rank, args.density)
   wanted = [p for p in args.only.split(",") if p]
   names = [n for n in table if n == "allreduce" or not wanted

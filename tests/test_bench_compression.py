@@ -1,0 +1,128 @@
+"""The --fast mode of experiments.bench_compression on tiny shapes (no timing thresholds)."""
+
+import itertools
+import statistics
+
+import pytest
+
+from experiments import bench_compression
+from jaxcomp import registry
+
+ONLY = ("topk", "powersgd")  # with allreduce, always run: three rows keep the test short
+REPEATS = 2
+ARGV = ["--fast", "2", "--model", "tiny", "--repeats", str(REPEATS), "--density", "0.1",
+        "--rank", "2", "--only", ",".join(ONLY)]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "hierarchical.md"
+  bench_compression.main(ARGV + ["--out", str(out)])
+  return out.read_text()
+
+
+def _tables(report):
+  """Each Markdown table of the report: (header, rows of cells)."""
+  tables, block = [], []
+  for line in report.splitlines() + [""]:
+    if line.startswith("|"):
+      block.append([c.strip() for c in line.strip("|").split("|")])
+    elif block:
+      tables.append((block[0], block[2:]))
+      block = []
+  return tables
+
+
+def test_report_names_the_device_the_command_and_the_goal(report):
+  assert "2 fake CPU devices" in report and "roughly" in report
+  assert "`python -m experiments.bench_compression " + " ".join(ARGV) in report
+  assert "## tiny: 875 gradient elements" in report
+  assert "hier/flat <= 0.6:" in report and "How to read it" in report
+
+
+def test_one_row_per_method_every_column(report):
+  (step_header, steps), (header, rows) = _tables(report)
+  assert tuple(step_header) == bench_compression.STEP_COLUMNS
+  assert tuple(header) == bench_compression.COMPUTE_COLUMNS
+  for table, columns in ((steps, step_header), (rows, header)):
+    assert [r[0].split("(")[0] for r in table] == ["allreduce", *ONLY]
+    assert all(len(r) == len(columns) for r in table)
+  assert rows[0][header.index("<= 0.6")] == "n/a (baseline)"
+  # Each device of the hierarchical program holds the state of its half only.
+  for r in rows[1:]:
+    flat, hier = (int(x.replace(",", "")) for x in
+                  r[header.index("state elements/device flat / hier")].split(" / "))
+    assert 0 < hier < 0.7 * flat, r[0]
+
+
+def test_differences_and_ratios_come_from_the_same_row(report):
+  (step_header, steps), (header, rows) = _tables(report)
+  col = {name: header.index(name) for name in header}
+  half = 0.005  # every cell is rounded to 0.01
+  for step, r in zip(steps, rows):
+    assert step[0] == r[0]
+    ms = {name[:-3]: float(step[step_header.index(name)])
+          for name in step_header if name.endswith(" ms")}
+    for part, (a, b) in (("flat compute ms", ("flat local", "local dense")),
+                         ("hier compute ms", ("hier", "hier(dense)")),
+                         ("half-n compute ms", ("half local", "half local dense")),
+                         ("flat - dense ms", ("flat", "dense")),
+                         ("hier - dense ms", ("hier", "dense"))):
+      assert float(r[col[part]]) == pytest.approx(ms[a] - ms[b], abs=3 * half + 1e-9), (r[0], part)
+    for ratio, part, whole in (("hier/flat", "hier compute ms", "flat compute ms"),
+                               ("half-n/flat", "half-n compute ms", "flat compute ms"),
+                               ("(hier - dense)/(flat - dense)", "hier - dense ms",
+                                "flat - dense ms")):
+      flat = float(r[col[whole]])
+      if r[col[ratio]] == "n/a":
+        assert flat <= half or r[0] == "allreduce", (r[0], ratio)
+        continue
+      assert r[0] != "allreduce"
+      assert flat >= -half, (r[0], ratio)
+      part_ms = float(r[col[part]])
+      corners = [p / f for p, f in itertools.product((part_ms - half, part_ms + half),
+                                                     (max(flat - half, 1e-3), flat + half))]
+      assert min(corners) - half <= float(r[col[ratio]]) <= max(corners) + half, (r[0], ratio)
+    goal = r[col["<= 0.6"]]
+    if r[0] != "allreduce" and r[col["hier/flat"]] != "n/a":
+      assert goal == ("yes" if float(r[col["hier/flat"]]) <= 0.6 else "**no**"), r[0]
+
+
+def test_rows_hold_repeats_rounds_of_every_program():
+  rows = bench_compression.hierarchical_rows(
+      bench_compression.tiny(), 2, ["allreduce", "signsgd"], rank=2, density=0.1, repeats=3)
+  assert [r.name for r in rows] == ["allreduce", "signsgd"]
+  median_ms = lambda row, p: statistics.median(row.rounds[p]) * 1e3  # noqa: E731
+  for row in rows:
+    assert set(row.rounds) == set(row.compile_s) == set(bench_compression.PROGRAMS)
+    assert set(row.state_elements) == {"flat", "hier"}
+    assert all(len(times) == 3 and min(times) > 0 for times in row.rounds.values())
+    assert row.flat_compute_ms == pytest.approx(
+        median_ms(row, "flat_local") - median_ms(row, "local_dense"))
+    assert row.hier_compute_ms == pytest.approx(
+        median_ms(row, "hier") - median_ms(row, "hier_dense"))
+    assert row.flat_over_dense_ms == pytest.approx(median_ms(row, "flat") - median_ms(row, "dense"))
+    assert row.half_compute_ms == pytest.approx(
+        median_ms(row, "half_local") - median_ms(row, "half_local_dense"))
+    if row.flat_compute_ms > 0 and row.name != "allreduce":
+      assert row.half_ratio == pytest.approx(row.half_compute_ms / row.flat_compute_ms)
+      assert row.ratio == pytest.approx(row.hier_compute_ms / row.flat_compute_ms)
+      assert row.meets_goal is (None if row.name == "allreduce" else row.ratio <= 0.6)
+    else:
+      assert row.ratio is None and row.meets_goal is None
+  # Each row times the dense programs again in its own rounds.
+  assert rows[0].rounds["dense"] is not rows[1].rounds["dense"]
+
+
+def test_default_rows_are_the_registry():
+  assert bench_compression.hierarchical_names() == list(registry.names())
+  assert bench_compression.hierarchical_names("top,power") == ["allreduce", "topk", "powersgd"]
+  assert "tiny" not in bench_compression.ALL_MODELS
+  config = bench_compression.settings("powersgd", rank=3, density=0.5)
+  assert config == registry.configuration("powersgd", rank=3)
+
+
+def test_bad_arguments_are_refused():
+  for argv in (["--fast", "1"], ["--out", "x.md"], ["--fast", "2", "--repeats", "0"]):
+    with pytest.raises(SystemExit):
+      bench_compression.main(argv)
