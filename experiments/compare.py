@@ -4,6 +4,7 @@
   python -m experiments.compare --task text --methods allreduce,gtopk
   python -m experiments.compare --mesh 2x4 # the same on a 2D mesh (torus all-reduce)
   python -m experiments.compare --mesh 2x4 --layout fsdp  # FSDP: compression on the slow axis
+  python -m experiments.compare --large-batch  # batch 1024, with and without the large-batch recipe
 
 Every method trains the same model from the same initialisation on the same
 batches, data-parallel over fake CPU devices through :mod:`jaxcomp.training`
@@ -32,6 +33,13 @@ and each method's row holds the bytes per step over each axis apart
 (``bytes_by_axes``, read from the compiled step) beside what the wire formula
 of :func:`jaxcomp.hierarchical` around the same compressor says the exchange
 sends (``bytes_by_axes_formula``).
+
+With ``--large-batch`` it trains digits at a global batch of 1,024 with and
+without the 2D-torus paper's large-batch recipe (batch-size control and
+label smoothing, :func:`jaxcomp.training.batch_size_schedule` and
+:func:`jaxcomp.training.smoothed_cross_entropy`), each part alone, and the
+batch of 256 for reference, over ``--repeats`` seeds, and writes
+``large_batch.md`` and ``large_batch.json`` (see :data:`LARGE_BATCH`).
 """
 
 from __future__ import annotations
@@ -144,6 +152,8 @@ class Config:
   progress: bool = True
   mode: str = "quick"
   layout: str = "replicated"
+  large_batch: bool = False
+  repeats: int = 1
 
   @property
   def axis_name(self):
@@ -463,12 +473,31 @@ def _ensure_devices(count: int) -> None:
     )
 
 
+class _RunClock:
+  """Wall and CPU time and load average of one run, from its start."""
+
+  def __init__(self):
+    self.started = time.perf_counter()
+    self.cpu_started = time.process_time()
+    self.load_started = os.getloadavg()[0]
+
+  def record(self) -> dict:
+    """The run's timing and versions, as its JSON's ``config`` holds them."""
+    return {
+        "wall_time_s": time.perf_counter() - self.started,
+        "process_cpu_s": time.process_time() - self.cpu_started,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": [self.load_started, os.getloadavg()[0]],
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "python": platform.python_version(),
+    }
+
+
 def run(config: Config) -> dict:
   """Trains every method of ``config`` and writes the results; returns ``compare.json``'s dict."""
   _ensure_devices(config.devices)
-  started = time.perf_counter()
-  cpu_started = time.process_time()
-  load_started = os.getloadavg()[0]
+  clock = _RunClock()
   task = TASKS[config.task]
   dataset = _task_data(config.task, config.evaluate_on)
   model = _model(config.task, task, config.seed)
@@ -508,13 +537,7 @@ def run(config: Config) -> dict:
           "bandwidth_gbit": config.bandwidth_gbit,
           "latency_us": config.latency_us,
           "seed": config.seed,
-          "wall_time_s": time.perf_counter() - started,
-          "process_cpu_s": time.process_time() - cpu_started,
-          "cpu_count": os.cpu_count(),
-          "load_average_1min": [load_started, os.getloadavg()[0]],
-          "jax": jax.__version__,
-          "optax": optax.__version__,
-          "python": platform.python_version(),
+          **clock.record(),
       },
       "methods": results,
   }
@@ -870,6 +893,304 @@ def write(report: dict, out: pathlib.Path) -> None:
     plot(report, out)
 
 
+# ------------------------------------------------------ the large-batch recipe
+
+# `--large-batch`: the 2D-torus paper's (Mikami et al., arXiv:1811.05233)
+# recipe for large mini-batches, batch-size control and label smoothing, on
+# digits. Every run draws the examples of the main job's run (its steps at
+# 32 per device on 8 devices, 256 examples a step), so they differ only in
+# how those examples are batched and in the labels. 1,024 is "large" here:
+# 71% of the 1,437 training examples in every step. The learning rate follows
+# one rule in every run, chosen before any run: the main job's schedule (its
+# peak 0.1 tuned at 256 examples, linear warm-up over 5% of the run's steps,
+# cosine decay to 0 at its last step) times the batch of the step over 256
+# (Goyal et al.'s linear scaling rule, `training.batch_scaled_learning_rate`).
+# The batch-size control stages and the smoothing (0.1, the usual value) were
+# set before any run too, and not tuned. One more run trains the large batch
+# at the rate tuned for 256, not scaled: the large batch's best chance
+# without the recipe (the scaled rate makes it collapse; see large_batch.md).
+LARGE_BATCH = {
+    "base_batch": 256,
+    "large_batch": 1024,
+    # Batch-size control: (global batch, share of the run's examples drawn at it).
+    "stages": ((256, 0.25), (512, 0.25), (1024, 0.5)),
+    "label_smoothing": 0.1,
+    "methods": ("allreduce", "gtopk", "powersgd"),
+    "repeats": 3,
+}
+# run -> (batches: "small", "large" or "control"; label smoothing on; the
+# learning rate scaled with the batch)
+LARGE_BATCH_RUNS = {
+    "small batch (reference)": ("small", False, True),
+    "large batch": ("large", False, True),
+    "large batch, rate not scaled": ("large", False, False),
+    "large + batch-size control": ("control", False, True),
+    "large + label smoothing": ("large", True, True),
+    "large + both (the recipe)": ("control", True, True),
+}
+
+
+CHANCE_ACCURACY = 0.2
+
+
+def _large_steps(mode: str) -> int:
+  """Steps at the large batch that draw the main job's examples (its steps at 256)."""
+  return TASKS["digits"][f"{mode}_steps"] * LARGE_BATCH["base_batch"] // LARGE_BATCH["large_batch"]
+
+
+def large_batch_schedules(large_steps: int) -> dict[str, tuple[training.BatchSizeSchedule, int]]:
+  """``{"small" | "large" | "control": (batch sizes, steps)}`` drawing ``large_steps`` large batches' examples."""
+  small, large = LARGE_BATCH["base_batch"], LARGE_BATCH["large_batch"]
+  examples = large_steps * large
+  boundaries, start = {}, 0
+  for size, share in LARGE_BATCH["stages"]:
+    boundaries[start] = size
+    start += max(1, round(share * examples / size))
+  return {
+      "small": (training.batch_size_schedule({0: small}), examples // small),
+      "large": (training.batch_size_schedule({0: large}), large_steps),
+      "control": (training.batch_size_schedule(boundaries), start),
+  }
+
+
+def scheduled_image_batches(split: data.Split, sizes: training.BatchSizeSchedule, seed: int):
+  """``(x, y)`` batches of ``sizes(step)`` examples, as :func:`experiments.data.image_batches` draws them.
+
+  Without replacement, reshuffled when what is left of the epoch is smaller
+  than the next batch: a constant schedule gives ``image_batches``' batches.
+  """
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(split))
+  position = 0
+  step = 0
+  while True:
+    size = sizes(step)
+    if size > len(split):
+      raise ValueError(f"a batch of {size} is larger than the {len(split)} training examples")
+    if position + size > len(order):
+      order = rng.permutation(len(split))
+      position = 0
+    chosen = order[position:position + size]
+    position += size
+    step += 1
+    yield split.x[chosen], split.y[chosen]
+
+
+def _smoothed_digits_loss(smoothing: float):
+  """The digits CNN's loss against labels smoothed by ``smoothing`` (``training.smoothed_cross_entropy``)."""
+  from flax import nnx
+
+  graphdef, _ = nnx.split(models.DigitsCNN(10, nnx.Rngs(0)))
+
+  def loss(params, batch):
+    x, y = batch
+    return training.smoothed_cross_entropy(nnx.merge(graphdef, params)(x), y, smoothing).mean()
+
+  return loss
+
+
+def _large_batch_run(name: str, run: str, config: Config, task: dict, dataset, mesh,
+                     schedules: dict, evaluate) -> dict:
+  """One method in one run of :data:`LARGE_BATCH_RUNS`, over ``config.repeats`` seeds."""
+  kind, smoothed, scaled = LARGE_BATCH_RUNS[run]
+  sizes, steps = schedules[kind]
+  smoothing = LARGE_BATCH["label_smoothing"] if smoothed else 0.0
+  run_config = dataclasses.replace(config, steps=steps, eval_every=min(config.eval_every, steps))
+  method = task["methods"][name]
+  compressor_config = _compressor_config(method, steps)
+  learning_rate = _schedule(task, steps)
+  if scaled:
+    learning_rate = training.batch_scaled_learning_rate(
+        learning_rate, sizes, LARGE_BATCH["base_batch"])
+  _, tx = _chain(name, config.axis_name, compressor_config, method["momentum"], learning_rate)
+  loss = _smoothed_digits_loss(smoothing) if smoothed else models.digits_cnn(config.seed).loss
+  step = training.make_step(loss, tx, mesh, config.axis_name)
+  compiled = None  # one compile per batch size, shared by the seeds
+  seeds = []
+  for seed in range(config.seed, config.seed + config.repeats):
+    started = time.perf_counter()
+    params = training.replicate(models.digits_cnn(seed).params, mesh)
+    opt_state = training.init_state(tx, params, mesh, config.axis_name)
+    batches = scheduled_image_batches(dataset.train, sizes, seed)
+    first = training.shard(next(batches), mesh, config.axis_name)
+    if compiled is None:
+      compiled = training.compile_batch_sizes(
+          step, params, opt_state, first, sizes, mesh, config.axis_name)
+    history, times, skipped = _train_loop(
+        f"{name}, {run}, seed {seed}", run_config,
+        lambda p, s, batch: compiled[batch[1].shape[0]](p, s, batch),
+        params, opt_state, first,
+        lambda: training.shard(next(batches), mesh, config.axis_name), evaluate)
+    seeds.append({
+        "seed": seed,
+        "final_accuracy": history[-1]["eval_accuracy"],
+        "final_loss": history[-1]["eval_loss"],
+        "skipped_steps": skipped,
+        "wall_time_s": time.perf_counter() - started,
+        "history": history,
+    })
+  accuracies = [r["final_accuracy"] for r in seeds]
+  return {
+      "batch_sizes": dict(zip(sizes.boundaries, sizes.sizes)),
+      "steps": steps,
+      "examples": sizes.examples(steps),
+      "label_smoothing": smoothing,
+      "learning_rate_scaled": scaled,
+      "peak_learning_rate": task["peak_lr"] * (
+          max(sizes.sizes) / LARGE_BATCH["base_batch"] if scaled else 1),
+      "compiles": len(compiled),
+      "accuracy_mean": statistics.mean(accuracies),
+      "accuracy_sd": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+      "configuration": _describe(name, compressor_config, method["momentum"]),
+      "seeds": seeds,
+  }
+
+
+def run_large_batch(config: Config) -> dict:
+  """Every method of ``config`` in every run of :data:`LARGE_BATCH_RUNS`; writes ``large_batch.{md,json}``."""
+  _ensure_devices(config.devices)
+  clock = _RunClock()
+  task = TASKS["digits"]
+  dataset = data.digits(config.evaluate_on)
+  model = models.digits_cnn(config.seed)
+  if config.mesh is None:
+    mesh = training.make_mesh(config.devices)
+  else:
+    mesh = training.make_mesh(config.mesh, config.axis_name)
+  schedules = large_batch_schedules(config.steps)
+  for sizes, _ in schedules.values():
+    training.check_batch_sizes(sizes, mesh, config.axis_name)
+  eval_x, eval_y = _eval_arrays("digits", task, dataset)
+  jitted = jax.jit(model.evaluate)
+  evaluate = lambda params: jitted(params, eval_x, eval_y)
+  methods = {}
+  for name in config.methods:
+    compressor = registry.build(name, config.axis_name,
+                                **_compressor_config(task["methods"][name], config.steps))
+    methods[name] = {
+        "bytes_per_step_formula": float(wire.expected_bytes(
+            compressor, model.params, config.num_devices).total),
+        "runs": {run: _large_batch_run(name, run, config, task, dataset, mesh, schedules,
+                                       evaluate) for run in LARGE_BATCH_RUNS},
+    }
+  report = {
+      "config": {
+          "task": "digits",
+          "mode": config.mode,
+          "model": model.description,
+          "num_params": models.num_params(model.params),
+          "devices": config.devices,
+          "mesh": list(config.mesh) if config.mesh else None,
+          "large_steps": config.steps,
+          "repeats": config.repeats,
+          "seeds": list(range(config.seed, config.seed + config.repeats)),
+          **{k: v for k, v in LARGE_BATCH.items() if k != "methods"},
+          "learning_rate": (
+              f"({task['peak_lr']} x global batch / {LARGE_BATCH['base_batch']}) x (linear"
+              f" warm-up over {task['warmup_fraction']:.0%} of the run's steps, cosine decay"
+              " to 0 at its last step)"),
+          "evaluated_on": dataset.eval_name,
+          "train_examples": len(dataset.train),
+          "eval_examples": len(dataset.eval),
+          **clock.record(),
+      },
+      "methods": methods,
+  }
+  out = pathlib.Path(config.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "large_batch.json").write_text(json.dumps(report, indent=1) + "\n")
+  (out / "large_batch.md").write_text(markdown_large_batch(report))
+  return report
+
+
+def large_batch_verdict(recipe: dict, large: dict, repeats: int) -> str:
+  """Whether the recipe's mean accuracy beats the large batch's by more than seed noise.
+
+  "helps" / "hurts" when the difference of the means is more than twice its
+  standard error over the seeds, ``sqrt((sd_a^2 + sd_b^2) / repeats)``.
+  """
+  delta = recipe["accuracy_mean"] - large["accuracy_mean"]
+  if repeats < 2:
+    return f"{100 * delta:+.1f} pt, one seed: no spread to judge it by"
+  error = math.sqrt((recipe["accuracy_sd"] ** 2 + large["accuracy_sd"] ** 2) / repeats)
+  word = ("helps" if delta > 2 * error else "hurts" if delta < -2 * error
+          else "no difference beyond seed noise")
+  return f"{100 * delta:+.1f} pt (standard error {100 * error:.1f} pt): {word}"
+
+
+def markdown_large_batch(report: dict) -> str:
+  """``large_batch.md``: every method's runs, mean accuracy over the seeds, the verdict."""
+  config, methods = report["config"], report["methods"]
+  repeats = config["repeats"]
+  stages = " -> ".join(str(b) for b, _ in config["stages"])
+  lines = [
+      f"# Large-batch recipe: digits ({config['mode']})",
+      "",
+      f"{config['model']}, {config['num_params']:,} parameters, on {config['devices']} fake"
+      f" CPU devices; {config['train_examples']:,} training examples. Every run draws the"
+      f" same number of examples ({config['large_steps']} steps of {config['large_batch']}),"
+      f" without replacement within an epoch. Learning rate: {config['learning_rate']}, the"
+      " same rule in every run but the one marked \"rate not scaled\" (the same schedule"
+      " without the factor). Batch-size control: the global batch grows"
+      f" {stages} over {', '.join(f'{s:.0%}' for _, s in config['stages'])} of the examples;"
+      f" label smoothing {config['label_smoothing']} (`training.smoothed_cross_entropy`)."
+      f" Evaluated on the {config['evaluated_on']} split ({config['eval_examples']} examples,"
+      f" one example = {100 / config['eval_examples']:.2f} pt) with the plain cross-entropy;"
+      f" mean and standard deviation over seeds {config['seeds']} (initialisation and batch"
+      " order). Wall time:"
+      f" {config['wall_time_s']:.0f} s on {config['cpu_count']} cores (1-minute load average"
+      f" {config['load_average_1min'][0]:.1f} at the start).",
+      "",
+      f"| method | run | global batch (from step: size) | steps | peak rate | label smoothing"
+      f" | {config['evaluated_on']} accuracy | per seed | at chance | vs large batch |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  verdicts = []
+  for name, row in methods.items():
+    runs = row["runs"]
+    large = runs["large batch"]
+    for run, r in runs.items():
+      sizes = ", ".join(f"{s}: {b}" for s, b in r["batch_sizes"].items())
+      per_seed = ", ".join(f"{s['final_accuracy']:.4f}" for s in r["seeds"])
+      delta = 100 * (r["accuracy_mean"] - large["accuracy_mean"])
+      chance = sum(s["final_accuracy"] < CHANCE_ACCURACY for s in r["seeds"])
+      lines.append(
+          f"| {name} | {run} | {sizes} | {r['steps']} | {r['peak_learning_rate']:g}"
+          f" | {r['label_smoothing']:g}"
+          f" | {r['accuracy_mean']:.4f} ± {r['accuracy_sd']:.4f} | {per_seed}"
+          f" | {chance} of {len(r['seeds'])} | {'-' if run == 'large batch' else f'{delta:+.1f} pt'} |")
+    unscaled = large_batch_verdict(
+        runs["large + both (the recipe)"], runs["large batch, rate not scaled"], repeats)
+    verdicts.append(
+        f"- **{name}** ({row['bytes_per_step_formula']:,.0f} bytes per device per step):"
+        f" the large batch against the small one"
+        f" {large_batch_verdict(large, runs['small batch (reference)'], repeats)};"
+        f" the recipe against the large batch"
+        f" {large_batch_verdict(runs['large + both (the recipe)'], large, repeats)},"
+        f" against the large batch at the rate not scaled {unscaled}.")
+  lines += [
+      "",
+      "Does the recipe help? A difference of means counts when it is more than twice its"
+      " standard error over the seeds:",
+      "",
+      *verdicts,
+      "",
+      "Batch-size control draws the same examples in more steps (its early batches are"
+      " smaller: the **steps** column), and more updates are part of what it does. The"
+      " scaled rate (Goyal et al.'s linear rule, with its warm-up) was fixed before any run;"
+      " \"rate not scaled\" gives the large batch a second chance without the recipe, at"
+      " the rate tuned for the small batch (untuned as well).",
+      "",
+      f"**at chance**: seeds that ended below {CHANCE_ACCURACY:.0%} test accuracy (10 classes:"
+      " 10% is a constant guess; their test loss is ln 10 = 2.303, the network collapsed"
+      " to a constant output and never recovered).",
+      "",
+      "Each global batch size is one compile of the step (`training.compile_batch_sizes`),"
+      " shared by the seeds.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------- CLI
 
 
@@ -918,8 +1239,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--task", choices=sorted(TASKS), default="digits",
                  help="digits: a CNN on scikit-learn's digits (default); text: a"
                  " char-level transformer on Python standard-library sources")
-  p.add_argument("--methods", type=_methods, default=ALL_METHODS,
-                 help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)")
+  p.add_argument("--methods", type=_methods,
+                 help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all;"
+                 f" with --large-batch {','.join(LARGE_BATCH['methods'])})")
   p.add_argument("--steps", type=_positive, help="training steps (overrides --quick/--full)")
   p.add_argument("--devices", type=_positive, default=8,
                  help="fake CPU devices on one data axis (default 8)")
@@ -944,33 +1266,55 @@ def parser() -> argparse.ArgumentParser:
                  help="per-message latency of the cost model's prediction (default 50 us)")
   p.add_argument("--seed", type=int, default=0, help="initialisation and batch order (default 0)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--large-batch", action="store_true",
+                 help="digits at a global batch of {large_batch} (4x the main job's) on the"
+                 " main job's number of examples, with and without the 2D-torus paper's"
+                 " recipe (batch-size control {control}, label smoothing {label_smoothing}),"
+                 " each part alone too, against the batch of {base_batch}; writes"
+                 " large_batch.md and .json. --steps sets the steps at the large batch"
+                 " (default {quick} quick, {full} full)".format(
+                     **LARGE_BATCH, control=" -> ".join(str(b) for b, _ in LARGE_BATCH["stages"]),
+                     quick=_large_steps("quick"), full=_large_steps("full")))
+  p.add_argument("--repeats", type=_positive,
+                 help="--large-batch only: seeds per run, --seed, --seed + 1, ..."
+                 f" (default {LARGE_BATCH['repeats']})")
   return p
 
 
 def config_from_args(argv=None) -> Config:
   p = parser()
   args = p.parse_args(argv)
+  if args.large_batch and (args.task != "digits" or args.layout == "fsdp"):
+    p.error("--large-batch trains digits in the replicated layout")
+  if args.repeats and not args.large_batch:
+    p.error("--repeats is for --large-batch")
   if args.layout == "fsdp" and args.mesh is None:
     p.error("--layout fsdp needs a 2-axis mesh, e.g. --mesh 2x4: the parameters are"
             " sharded over its second (fast) axis and each compressor runs over its first"
             " (slow) axis")
   task = TASKS[args.task]
   mode = "full" if args.full else "quick"
-  steps = args.steps or task[f"{mode}_steps"]
+  steps = args.steps or (_large_steps(mode) if args.large_batch else task[f"{mode}_steps"])
   if args.steps:
     mode = f"{args.steps} steps"
   devices = args.mesh[0] * args.mesh[1] if args.mesh else args.devices
+  methods = args.methods or (LARGE_BATCH["methods"] if args.large_batch else ALL_METHODS)
   return Config(
-      task=args.task, methods=args.methods, steps=steps, devices=devices, mesh=args.mesh,
+      task=args.task, methods=methods, steps=steps, devices=devices, mesh=args.mesh,
       eval_every=min(args.eval_every or task["eval_every"], steps),
       evaluate_on=args.evaluate_on, bandwidth_gbit=args.bandwidth_gbit,
       latency_us=args.latency_us, seed=args.seed, out=args.out,
       progress=not args.no_progress, mode=mode, layout=args.layout,
+      large_batch=args.large_batch,
+      repeats=(args.repeats or LARGE_BATCH["repeats"]) if args.large_batch else 1,
   )
 
 
 def main(argv=None) -> None:
   config = config_from_args(argv)
+  if config.large_batch:
+    print(markdown_large_batch(run_large_batch(config)))
+    return
   report = run(config)
   print(markdown(report))
 
