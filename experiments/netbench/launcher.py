@@ -38,7 +38,7 @@ from experiments.netbench import network as network_lib
 from experiments.netbench import report
 from experiments.netbench import workload
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = network_lib.REPO_ROOT
 DEFAULT_OUT = os.path.join("experiments", "results", "netbench.json")
 DEFAULT_TWO_LEVEL_OUT = os.path.join("experiments", "results", "netbench_two_level.json")
 _BASE_PORT = 29500

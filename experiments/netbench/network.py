@@ -51,8 +51,14 @@ _PROBE_ROUNDS = 200
 _TBF = ("burst", "256kb", "latency", "50ms")
 
 
-def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-  return subprocess.run(list(args), check=check, capture_output=True, text=True)
+# The probe runs this module with ``python -m``: from the repository root,
+# which jaxcomp's wheel does not install.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args: Sequence[str], check: bool = True, cwd: Optional[str] = None
+         ) -> subprocess.CompletedProcess:
+  return subprocess.run(list(args), check=check, capture_output=True, text=True, cwd=cwd)
 
 
 def available() -> Optional[str]:
@@ -318,11 +324,12 @@ class Network:
     module = [sys.executable, "-m", "experiments.netbench.network"]
     server = subprocess.Popen(
         self.exec_prefix(last) + module + ["serve", self.address(last), str(port)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
     )
     try:
       server.stdout.readline()  # "ready"
-      out = _run(self.exec_prefix(0) + module + ["ping", self.address(last), str(port)])
+      out = _run(self.exec_prefix(0) + module + ["ping", self.address(last), str(port)],
+                 cwd=REPO_ROOT)
       return float(out.stdout.strip()) / 2
     finally:
       server.kill()
