@@ -691,14 +691,19 @@ def _quality(row: dict, dense: Optional[dict], text: bool) -> tuple[str, str]:
   return value, delta
 
 
+def _quality_columns(config: dict, methods: dict) -> tuple[Optional[dict], bool, str]:
+  """The dense row, whether the task is text, and the quality column's heading."""
+  text = config["task"] == "text"
+  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  return methods.get("allreduce"), text, metric
+
+
 def markdown(report: dict) -> str:
   """``compare.md``: the results as a table, with each method's ratio to dense."""
   if report["config"].get("layout") == "fsdp":
     return markdown_fsdp(report)
   config, methods = report["config"], report["methods"]
-  dense = methods.get("allreduce")
-  text = config["task"] == "text"
-  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  dense, text, metric = _quality_columns(config, methods)
   lines = _header(report) + [
       "",
       f"| method | configuration | {metric} | vs dense | final loss | bytes/step"
@@ -763,9 +768,7 @@ def markdown_fsdp(report: dict) -> str:
   slow, fast = config["slow_axis"], config["fast_axis"]
   rows, cols = config["mesh"]
   both = f"{slow}+{fast}"
-  dense = methods.get("allreduce")
-  text = config["task"] == "text"
-  metric = f"{config['evaluated_on']} " + ("bits/char" if text else "accuracy")
+  dense, text, metric = _quality_columns(config, methods)
   lines = _header(report) + [
       "",
       f"| method | configuration | {metric} | vs dense | slow-link bytes/step (`{slow}`)"

@@ -69,6 +69,16 @@ class PerDeviceState(NamedTuple):
   jaxcomp_per_device: optax.OptState
 
 
+def _check_axes(mesh: Mesh, axis_name: base.AxisName) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of axes, each one of ``mesh``'s."""
+  axes = base.check_axis_name(axis_name)
+  missing = [a for a in axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(f"`axis_name` {axis_name!r} names axes {missing} that `mesh`"
+                     f" {dict(mesh.shape)} does not have")
+  return axes
+
+
 def per_device(
     tx: optax.GradientTransformation, mesh: Mesh, axis_name: base.AxisName
 ) -> optax.GradientTransformation:
@@ -86,11 +96,7 @@ def per_device(
     :func:`data_parallel`, where each device sees its own ``[1, ...]`` row)
     runs ``tx.update`` on the row.
   """
-  axes = base.check_axis_name(axis_name)
-  missing = [a for a in axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(f"`axis_name` {axis_name!r} names axes {missing} that `mesh`"
-                     f" {dict(mesh.shape)} does not have")
+  _check_axes(mesh, axis_name)
   count = training.num_replicas(mesh, axis_name)
 
   def init_fn(params):
@@ -165,11 +171,7 @@ def data_parallel(mesh: Mesh, axis_name: base.AxisName) -> Callable[[Callable], 
       per-device state built for another device count.
     TypeError: the step returns a non-floating array (say what to average).
   """
-  axes = base.check_axis_name(axis_name)
-  missing = [a for a in axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(f"`axis_name` {axis_name!r} names axes {missing} that `mesh`"
-                     f" {dict(mesh.shape)} does not have")
+  axes = _check_axes(mesh, axis_name)
   split = PartitionSpec(axes[0] if len(axes) == 1 else axes)
   objects = nnx.StateSharding({nnx.PathContains(_FIELD): split, ...: PartitionSpec()})
   batch = NamedSharding(mesh, split)
