@@ -9,8 +9,12 @@ are generated (``experiments.shapes``): ResNet-50 and a 12-layer, width-768
 transformer. Each row is the median of ``--repeats`` timed steps after a
 warm-up step (the compile), the state fed back from step to step (ACP-SGD
 alternates its two halves); the ratio is to dense ``allreduce`` timed in the
-same run. The last column is the formula's bytes per device per step for
-``--devices`` workers on a ring, for scale.
+same run. Beside the milliseconds it prints what the compiled program does,
+which does not move with the machine (:mod:`experiments.hlo_counts`): the
+kernels a step launches and its passes over memory, the bytes its kernels
+read and write over those of one f32 copy of the gradient. The last column
+is the formula's bytes per device per step for ``--devices`` workers on a
+ring, for scale. ``--out`` writes the table as Markdown.
 
 With ``--fast X`` it times instead, on a mesh ``(1, X)`` of axes
 ``("slow", "fast")`` (``X`` fake CPU devices), every registered method two
@@ -21,7 +25,8 @@ over ``"fast"``. Its compression compute is each step less its dense
 counterpart's, every exchange taken out; the dense programs are timed in the
 same rounds as each method (:class:`HierarchicalRow`, :data:`DEFINITIONS`).
 
-  python -m experiments.bench_compression --model resnet50 --repeats 3
+  python -m experiments.bench_compression --model resnet50 --repeats 9 \\
+      --out experiments/results/bench_compression.md
   python -m experiments.bench_compression --fast 2 --model resnet50 \\
       --out experiments/results/bench_compression_hierarchical.md
 """
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments import compute
+from experiments import hlo_counts
 from experiments import shapes
 import jaxcomp
 from jaxcomp import hierarchy
@@ -428,15 +434,13 @@ def main(argv=None) -> None:
                       help="X >= 2: flat against jaxcomp.hierarchical on a (1, X) mesh of"
                            " X fake CPU devices (0: the one-device table)")
   parser.add_argument("--out", default="",
-                      help="with --fast: also write the Markdown report to this path")
+                      help="also write the Markdown report to this path")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error("--repeats must be >= 1")
   if args.fast == 1 or args.fast < 0:
     parser.error("--fast must be 0 (off) or >= 2")
-  if args.out and not args.fast:
-    parser.error("--out goes with --fast")
 
   if args.fast:
     _use_cpu_devices(args.fast)
@@ -444,32 +448,66 @@ def main(argv=None) -> None:
       parser.error(f"--fast {args.fast} needs {args.fast} devices, JAX has"
                    f" {len(jax.devices())} (set before JAX started)")
     report = run_hierarchical(args, argv, hierarchical_names(args.only))
-    if args.out:
-      with open(args.out, "w") as f:
-        f.write(report)
-    return
+  else:
+    table = compressors(args.rank, args.density)
+    wanted = [p for p in args.only.split(",") if p]
+    report = run_single(args, argv, {
+        name: factory for name, factory in table.items()
+        if name == "allreduce" or not wanted or any(name.startswith(p) for p in wanted)})
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(report)
 
+
+SINGLE_COLUMNS = ("compressor", "ms/step", "x dense", "compile s", "kernels", "passes",
+                  "MB/dev")
+
+
+def _device_note() -> str:
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return f"one CPU device on {os.cpu_count()} cores"
+  return f"one {device.device_kind} ({device.platform})"
+
+
+def run_single(args, argv, table: dict, log=print) -> str:
+  """The one-device table of every compressor in ``table`` (label -> factory); its Markdown."""
   models = list(ALL_MODELS) if args.model == "all" else [args.model]
-  table = compressors(args.rank, args.density)
-  wanted = [p for p in args.only.split(",") if p]
-  names = [n for n in table if n == "allreduce" or not wanted
-           or any(n.startswith(p) for p in wanted)]
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, one device,"
-        f" median of {args.repeats} steps")
+  header = [
+      "# Compression compute on one device", "",
+      f"Command: `python -m experiments.bench_compression {' '.join(argv)}`", "",
+      f"Date {datetime.date.today().isoformat()}; jax {jax.__version__}, backend"
+      f" {jax.default_backend()}, {_device_note()}. ms/step is the median of"
+      f" {args.repeats} steps after a warm-up step; x dense is the ratio to `allreduce` timed"
+      " in the same run; compile s is `lower(...).compile()`. **kernels** and **passes** are"
+      " read from the compiled program (`experiments.hlo_counts`): the kernels a step"
+      " launches (fusions, copies, sorts, collectives...; a loop body once, a conditional's"
+      " lightest branch) and the bytes they read and write over 4n, the bytes of one f32"
+      " copy of the gradient (dense reads and writes the gradient three times: 6 passes)."
+      f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
+      " ring.", ""]
+  log("\n".join(header))
+  sections = []
   for model in models:
     grads = shapes.normal(MODELS[model](), jax.random.key(0))
     n = shapes.num_params(grads)
-    print(f"\n{model}: {n:,} gradient elements")
-    print(f"{'compressor':<28}{'ms/step':>10}{'x dense':>9}{'compile s':>11}"
-          f"{f'MB/dev P={args.devices}':>15}")
-    baseline = None
-    for name in names:
-      tx = table[name]()
-      compile_s, step_s = compute.time_update(tx, grads, args.repeats)
-      baseline = step_s if name == "allreduce" else baseline
+    title = f"## {model}: {n:,} gradient elements"
+    log(title)
+    lines, baseline = [], None
+    for label, factory in table.items():
+      tx = factory()
+      timing = compute.time_update(tx, grads, args.repeats)
+      counts = hlo_counts.count(timing.program, n)
+      baseline = timing.step_s if baseline is None and label == "allreduce" else baseline
       mbytes = float(wire.expected_bytes(tx, grads, args.devices).total) / 1e6
-      print(f"{name:<28}{step_s * 1e3:>10.1f}{step_s / baseline:>9.2f}"
-            f"{compile_s:>11.1f}{mbytes:>15.3f}", flush=True)
+      cells = [label, f"{timing.step_s * 1e3:.1f}",
+               _ratio(timing.step_s / baseline if baseline else None),
+               f"{timing.compile_s:.1f}", f"{counts.kernels}", f"{counts.passes:.1f}",
+               f"{mbytes:.3f}"]
+      log("  ".join(cells), flush=True)
+      lines.append(cells)
+    sections += [title, "", _markdown(SINGLE_COLUMNS, lines), ""]
+  return "\n".join(header + sections)
 
 
 if __name__ == "__main__":

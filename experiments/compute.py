@@ -102,33 +102,50 @@ def _timed(call: Callable[[], object], repeats: int) -> tuple[float, list[float]
   return first, times
 
 
+class UpdateTiming(NamedTuple):
+  """What :func:`time_update` measured.
+
+  Attributes:
+    compile_s: seconds to compile the step (``lower(...).compile()``).
+    step_s: median seconds of a step after a warm-up step.
+    program: the compiled program's optimized HLO text (for
+      :func:`experiments.hlo_counts.count`).
+  """
+
+  compile_s: float
+  step_s: float
+  program: str
+
+
 def time_update(
     tx: optax.GradientTransformation, grads: optax.Updates, repeats: int
-) -> tuple[float, float]:
-  """``(compile seconds, median seconds per step)`` of ``tx.update`` on one device.
+) -> UpdateTiming:
+  """Compile seconds, median seconds per step and the program of ``tx.update`` on one device.
 
   ``tx`` must be built over the axis ``"data"``; its state is fed back from
   step to step (ACP-SGD alternates its two halves, DGC walks its schedule).
   """
   mesh = training.make_mesh(1)
-  update = training.make_update(tx, mesh, AXIS, donate=True)
   state = training.init_state(tx, grads, mesh, AXIS)
   stacked = training.stack_per_device(grads, mesh, AXIS)
+  start = time.perf_counter()
+  update = training.make_update(tx, mesh, AXIS, donate=True).lower(stacked, state).compile()
+  compile_s = time.perf_counter() - start
 
   def step():
     nonlocal state
     out, state = update(stacked, state)
     return out, state
 
-  compile_s, times = _timed(step, repeats)
-  return compile_s, statistics.median(times)
+  _, times = _timed(step, repeats)
+  return UpdateTiming(compile_s, statistics.median(times), update.as_text())
 
 
 def measure(tx: optax.GradientTransformation, params: optax.Params, repeats: int = 5) -> float:
   """Median seconds of ``tx.update`` on one device, on a Gaussian gradient like ``params``."""
   grads = shapes.normal(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
                         jax.random.key(0))
-  return time_update(tx, grads, repeats)[1]
+  return time_update(tx, grads, repeats).step_s
 
 
 def measure_step(

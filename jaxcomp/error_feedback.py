@@ -43,6 +43,18 @@ def compensate(bucket: fusion.Bucket, updates: optax.Updates, residual: optax.Pa
                         for i in bucket.leaves])
 
 
+def zeroed(bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array) -> list[jax.Array]:
+  """The leaves of ``corrected`` (``f32[bucket.size]``) with the entries at ``indices`` set to 0.
+
+  What a sparsifier keeps, ``e' = c`` but 0 where it sent exactly. Built leaf
+  by leaf through an ``n``-byte mask (``EMPTY_INDEX`` slots dropped), so the
+  ``n``-sized ``c`` is neither copied nor scattered into.
+  """
+  sent = jnp.zeros(bucket.size, jnp.bool_).at[indices.reshape(-1)].set(True, mode="drop")
+  return [jnp.where(m, jnp.zeros((), c.dtype), c)
+          for m, c in zip(bucket.split(sent), bucket.split(corrected))]
+
+
 Kept = Union[jax.Array, Sequence[Optional[jax.Array]]]
 
 

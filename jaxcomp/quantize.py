@@ -128,7 +128,9 @@ def signsgd(
       mean = jnp.sum(scales) * signs(jnp.sum(all_signs, axis=0))
     else:
       mean = jnp.sum(scales[:, None] * all_signs, axis=0)
-    return protocol.Output(mean=mean, residual=corrected - scale * signs(corrected))
+    # The signs are finite whatever was sent: the mean is finite exactly when the scales are.
+    return protocol.Output(mean=mean, residual=corrected - scale * signs(corrected),
+                           witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps

@@ -116,7 +116,8 @@ def topk(
     all_values, all_indices = ctx.sparse_allgather(values, indices)
     return protocol.Output(
         mean=collectives.densify(all_values, all_indices, ctx.bucket.size),
-        residual=corrected.at[indices].set(0.0, mode="drop"))
+        residual=protocol.Zeroed(indices),
+        witness=all_values)
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -184,7 +185,8 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
     sent = jnp.where(found == indices, indices, collectives.EMPTY_INDEX)
     return protocol.Output(
         mean=collectives.densify(global_values, global_indices, ctx.bucket.size),
-        residual=corrected.at[sent].set(0.0, mode="drop"))
+        residual=protocol.Zeroed(sent),
+        witness=global_values)
 
   def wire_cost(bucket, sizes, steps):
     del steps

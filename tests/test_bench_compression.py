@@ -1,4 +1,4 @@
-"""The --fast mode of experiments.bench_compression on tiny shapes (no timing thresholds)."""
+"""experiments.bench_compression on tiny shapes, one device and --fast (no timing thresholds)."""
 
 import itertools
 import statistics
@@ -123,6 +123,25 @@ def test_default_rows_are_the_registry():
 
 
 def test_bad_arguments_are_refused():
-  for argv in (["--fast", "1"], ["--out", "x.md"], ["--fast", "2", "--repeats", "0"]):
+  for argv in (["--fast", "1"], ["--fast", "2", "--repeats", "0"]):
     with pytest.raises(SystemExit):
       bench_compression.main(argv)
+
+
+def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
+  out = tmp_path / "single.md"
+  argv = ["--model", "tiny", "--repeats", "1", "--density", "0.1", "--only", "topk,signsgd",
+          "--out", str(out)]
+  bench_compression.main(argv)
+  report = out.read_text()
+  assert "one CPU device" in report and "experiments.hlo_counts" in report
+  ((header, rows),) = _tables(report)
+  assert tuple(header) == bench_compression.SINGLE_COLUMNS
+  by_label = {row[0]: dict(zip(header, row)) for row in rows}
+  assert set(by_label) == {"allreduce", "topk(density=0.1)", "signsgd",
+                           "signsgd(majority_vote=True)"}
+  # One device: dense concatenates, all-reduces (a copy) and splits the gradient.
+  assert by_label["allreduce"]["passes"] == "6.0"
+  assert by_label["allreduce"]["x dense"] == "1.00"
+  for row in by_label.values():
+    assert int(row["kernels"]) >= 3 and float(row["passes"]) >= 2.0

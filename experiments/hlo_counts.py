@@ -1,0 +1,252 @@
+"""What a compiled step does, read from its optimized HLO: kernels and passes over memory.
+
+Timings move with the machine; these counts do not, so they show progress on
+any backend (:mod:`experiments.bench_compression` prints them beside the
+milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
+
+* **kernels**: the instructions that run as a unit of work (a fusion, a
+  copy, a concatenate, a sort, a dot, a collective), in the entry
+  computation and in the computations a ``while`` or ``call`` runs (loop
+  bodies once, not per iteration) and in the lightest branch of a
+  ``conditional`` (a selection's fast path, not its rare fallback);
+  parameters, constants, tuples and bitcasts are free and not counted.
+* **passes**: the bytes those kernels read and write, divided by the bytes
+  of one f32 buffer of ``n`` elements (the gradient's size): a step that
+  reads the gradient once and writes it once makes 2 passes. A fusion's
+  operand that it only slices counts the slices it reads; a fusion whose
+  root updates a buffer in place (``scatter``, ``dynamic-update-slice``)
+  counts the update, not the buffer.
+
+Example::
+
+  compiled = jax.jit(update).lower(grads, state).compile()
+  counts = hlo_counts.count(compiled.as_text(), n=25_557_032)
+  print(counts.kernels, f"{counts.passes:.1f}")
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+          "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+         "partition-id", "replica-id"}
+_CONTROL = {"while", "conditional", "call"}
+_IN_PLACE = {"scatter", "dynamic-update-slice"}
+_SLICES = {"slice", "dynamic-slice", "gather"}
+_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?(%?[\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$")
+_OPERAND = re.compile(r"%[\w.\-]+")
+
+
+class Counts(NamedTuple):
+  """Kernels and passes of one compiled program (see the module docstring).
+
+  Attributes:
+    kernels: the instructions that do work, loop bodies counted once.
+    passes: bytes read and written by them over ``4 n``.
+    by_op: ``{opcode: kernels}``.
+    heaviest: where to look next: the ten (opcode, source ``op_name``)
+      pairs whose kernels move the most bytes, as ``(passes, kernels,
+      opcode, op_name)``, heaviest first.
+  """
+
+  kernels: int
+  passes: float
+  by_op: dict
+  heaviest: list
+
+
+def _bytes(shape: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(shape):
+    elements = 1
+    for d in dims.split(","):
+      if d:
+        elements *= int(d)
+    total += elements * _BYTES[dtype]
+  return total
+
+
+class _Instruction(NamedTuple):
+  name: str
+  shape: str
+  op: str
+  operands: list
+  attributes: str
+
+
+def _computations(text: str) -> dict[str, list[_Instruction]]:
+  """``{computation name: its instructions}``; the entry computation is ``"ENTRY"``."""
+  computations: dict[str, list[_Instruction]] = {}
+  current = None
+  for line in text.splitlines():
+    header = re.match(r"^(ENTRY )?(%?[\w.\-]+) .*\{\s*$", line)
+    if header and not line.startswith(" "):
+      current = "ENTRY" if header.group(1) else header.group(2).lstrip("%")
+      computations[current] = []
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    if current is None:
+      continue
+    match = _INSTRUCTION.match(line)
+    if match:
+      name, shape, op, args, attributes = match.groups()
+      computations[current].append(_Instruction(
+          name.lstrip("%"), shape, op, [o.lstrip("%") for o in _OPERAND.findall(args)],
+          attributes or ""))
+  return computations
+
+
+def _called(instruction: _Instruction, key: str) -> list[str]:
+  found = re.findall(key + r"=\{?(%?[\w.\-, %]+)\}?", instruction.attributes)
+  return [name.strip().lstrip("%") for group in found for name in group.split(",") if name.strip()]
+
+
+def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes: dict,
+                    operand_shapes: dict) -> int:
+  """Bytes a fusion reads and writes: sliced operands by their slices, in-place roots by the update.
+
+  A loop fusion computes each output element once from about one element of
+  each operand (a slice of a larger computation is computed on the slice).
+  """
+  users: dict[str, list[_Instruction]] = {}
+  for inner in fused:
+    for operand in inner.operands:
+      users.setdefault(operand, []).append(inner)
+  params = {_parameter_index(p): p for p in fused if p.op == "parameter"}
+  root = fused[-1] if fused else None
+  in_place = root.operands[0] if root is not None and root.op in _IN_PLACE else None
+  loop = "kind=kLoop" in instruction.attributes
+  out_elements = _elements(instruction.shape)
+  total = 0
+  for position, operand in enumerate(instruction.operands):
+    full = sizes.get(operand, 0)
+    param = params.get(position)
+    uses = users.get(param.name, []) if param is not None else []
+    if param is not None and param.name == in_place and all(u is root for u in uses):
+      continue  # updated in place: only the update moves
+    read = min(full, _read(param, users, full)) if param is not None else full
+    if loop:  # one output element reads about one element of each operand
+      read = min(read, out_elements * _itemsize(operand_shapes.get(operand, "")))
+    total += read
+  if in_place is not None:
+    shapes = {inner.name: inner.shape for inner in fused}
+    return total + sum(_bytes(shapes.get(o, "")) for o in root.operands[1:])
+  return total + _bytes(instruction.shape)
+
+
+def _elements(shape: str) -> int:
+  total = 0
+  for _, dims in _SHAPE.findall(shape):
+    elements = 1
+    for d in dims.split(","):
+      if d:
+        elements *= int(d)
+    total += elements
+  return total
+
+
+def _read(param: _Instruction, users: dict, full: int) -> int:
+  """Bytes of ``param`` a fusion reads: the slices it ends in, else all of it.
+
+  Element-wise ops between the parameter and a slice (a convert, an add with
+  another operand of the same size) are computed on the slice only.
+  """
+  elements = _elements(param.shape)
+  if elements == 0:
+    return 0
+  per_element = full / elements
+  read, frontier, seen = 0.0, [param], set()
+  while frontier:
+    current = frontier.pop()
+    for user in users.get(current.name, []):
+      if user.name in seen:
+        continue
+      seen.add(user.name)
+      if user.op in _SLICES:
+        read += _elements(user.shape) * per_element
+      elif _elements(user.shape) == elements and user.op not in _IN_PLACE:
+        frontier.append(user)  # element-wise: follow it to what it feeds
+      else:
+        return full
+    if not users.get(current.name) and current is not param:
+      return full  # an element-wise chain that is the fusion's output
+  return int(read)
+
+
+def _itemsize(shape: str) -> int:
+  """Bytes per element of an array shape (the widest, for a tuple)."""
+  return max((_BYTES[dtype] for dtype, _ in _SHAPE.findall(shape)), default=0)
+
+
+def _parameter_index(parameter: _Instruction) -> int:
+  return int(parameter.operands[0]) if parameter.operands else -1
+
+
+def count(text: str, n: int) -> Counts:
+  """The :class:`Counts` of an optimized HLO module's text, passes in units of ``f32[n]``."""
+  if n < 1:
+    raise ValueError(f"`n` must be >= 1, got {n}")
+  computations = _computations(_with_parameter_numbers(text))
+  if "ENTRY" not in computations:
+    raise ValueError("`text` holds no ENTRY computation (pass compiled.as_text())")
+  weights = _weights("ENTRY", computations, n, ())
+  by_op: dict[str, int] = {}
+  for _, op, _ in weights:
+    by_op[op] = by_op.get(op, 0) + 1
+  by_source: dict[tuple[str, str], list] = {}
+  for passes, op, source in weights:
+    entry = by_source.setdefault((op, source), [0.0, 0])
+    entry[0] += passes
+    entry[1] += 1
+  heaviest = sorted(((p, k, op, source) for (op, source), (p, k) in by_source.items()),
+                    key=lambda row: -row[0])[:10]
+  return Counts(kernels=len(weights), passes=sum(w[0] for w in weights), by_op=by_op,
+                heaviest=heaviest)
+
+
+def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
+  """``[(passes, opcode, op_name)]`` of every kernel a run of computation ``name`` starts.
+
+  A ``while`` counts its condition and body once; a ``conditional`` its
+  lightest branch (a selection's fast path, not its rare fallback).
+  """
+  if name in stack or name not in computations:
+    return []
+  stack = stack + (name,)
+  sizes, shapes, weights = {}, {}, []
+  for instruction in computations[name]:
+    sizes[instruction.name] = _bytes(instruction.shape)
+    shapes[instruction.name] = instruction.shape
+    if instruction.op == "conditional":
+      branches = [_weights(b, computations, n, stack)
+                  for key in ("branch_computations", "true_computation", "false_computation")
+                  for b in _called(instruction, key)]
+      weights.extend(min(branches, key=lambda ws: sum(w[0] for w in ws), default=[]))
+      continue
+    if instruction.op in _CONTROL:
+      for key in ("condition", "body", "to_apply"):
+        for callee in _called(instruction, key):
+          weights.extend(_weights(callee, computations, n, stack))
+      continue
+    if instruction.op in _FREE:
+      continue
+    if instruction.op == "fusion":
+      (callee,) = _called(instruction, "calls")[:1] or ("",)
+      moved = _fusion_traffic(instruction, computations.get(callee, []), sizes, shapes)
+    else:
+      moved = _bytes(instruction.shape) + sum(sizes.get(o, 0) for o in instruction.operands)
+    source = re.search(r'op_name="([^"]*)"', instruction.attributes)
+    weights.append((moved / (4 * n), instruction.op, source.group(1) if source else ""))
+  return weights
+
+
+def _with_parameter_numbers(text: str) -> str:
+  """HLO text whose ``parameter(i)`` calls keep ``i`` as an operand (read by the parser)."""
+  return re.sub(r"parameter\((\d+)\)", r"parameter(%\1)", text)

@@ -1,0 +1,78 @@
+"""experiments.hlo_counts: kernels and passes of small compiled programs whose traffic is known."""
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import pytest
+
+from experiments import hlo_counts
+
+N = 1 << 16
+
+
+def _counts(fn, *args, donate=()):
+  text = jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
+  return hlo_counts.count(text, N)
+
+
+@pytest.fixture
+def x():
+  return jnp.asarray(np.random.default_rng(0).normal(size=N).astype(np.float32))
+
+
+def test_one_elementwise_pass_reads_and_writes_once(x):
+  counts = _counts(lambda v: v * 2 + 1, x)
+  assert counts.kernels == 1
+  chex.assert_trees_all_close(counts.passes, 2.0)
+
+
+def test_a_reduction_reads_once(x):
+  chex.assert_trees_all_close(_counts(jnp.sum, x).passes, 1.0, atol=1e-3)
+
+
+def test_a_slice_reads_only_the_slice(x):
+  counts = _counts(lambda v: v[: N // 4] * 3, x)
+  chex.assert_trees_all_close(counts.passes, 0.5)
+
+
+def test_splitting_into_parts_is_one_read_and_one_write(x):
+  counts = _counts(lambda v: [p * 2 for p in jnp.split(v, 4)], x)
+  assert counts.kernels == 4
+  chex.assert_trees_all_close(counts.passes, 2.0)
+
+
+def test_an_in_place_scatter_moves_the_update_only(x):
+  indices = jnp.arange(16) * 7
+  counts = _counts(lambda v: v.at[indices].set(0.0), x, donate=(0,))
+  assert counts.passes < 0.01, counts
+
+
+def test_a_conditional_counts_its_lightest_branch(x):
+  def fn(v):
+    return lax.cond(v[0] > 0, lambda: v + 1, lambda: jnp.sort(v) + jnp.cumsum(v))
+  light = _counts(lambda v: v + 1, x)
+  counts = _counts(fn, x)
+  assert counts.passes < light.passes + 0.1, (counts, light)
+  assert "sort" not in counts.by_op
+
+
+def test_a_loop_body_counts_once(x):
+  def fn(v):
+    return lax.fori_loop(0, 10, lambda i, a: a * 1.5 + i, v)
+  assert _counts(fn, x).passes < 6.0
+
+
+def test_heaviest_names_the_source_op(x):
+  counts = _counts(lambda v: (jnp.concatenate([v, v]), jnp.sum(v)), x)
+  assert counts.heaviest[0][2] == "concatenate" or "concatenate" in counts.heaviest[0][3]
+  assert sum(row[1] for row in counts.heaviest) <= counts.kernels
+  chex.assert_trees_all_close(sum(row[0] for row in counts.heaviest), counts.passes, rtol=1e-6)
+
+
+def test_bad_input_is_refused():
+  with pytest.raises(ValueError, match="n"):
+    hlo_counts.count("HloModule m\n\nENTRY %main () -> f32[] {\n}\n", 0)
+  with pytest.raises(ValueError, match="ENTRY"):
+    hlo_counts.count("not a program", 10)
