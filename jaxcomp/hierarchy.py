@@ -192,7 +192,7 @@ def hierarchical(
         for i, part in zip(bucket.leaves, _split(gathered, widths, axis=1))})
     # The mean is identical on every device, so is this choice; a shard whose
     # own slow group saw finite input must not move on alone.
-    ok = jnp.all(jnp.isfinite(gathered))
+    ok = protocol.all_finite(gathered)
     kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), inner_state, state.inner)
     return result, HierarchicalState(inner=kept)
 
