@@ -43,6 +43,7 @@ import optax
 from jaxcomp import base
 from jaxcomp import fusion
 from jaxcomp import hierarchy
+from jaxcomp import protocol
 from jaxcomp import registry
 
 # loss_fn(params, batch) -> scalar loss over this device's part of the batch.
@@ -206,7 +207,7 @@ def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
     # The mean gradient is identical on every device, so is this decision.
     # One reduction over the fused updates: one per leaf compiles in time
     # that grows with the square of the number of leaves.
-    finite = jnp.all(jnp.isfinite(fusion.Bucket.of(updates).flatten(updates)))
+    finite = protocol.all_finite(fusion.Bucket.of(updates).flatten(updates))
     new_params = optax.apply_updates(params, updates)
     if skip_nonfinite:
       new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
@@ -454,7 +455,7 @@ def make_fsdp_step(
     loss, grads = jax.value_and_grad(local_loss)(shard)
     grads = jax.tree.map(lambda g: g / size, grads)
     updates, new_state = tx.update(grads, state, shard)
-    finite = jnp.all(jnp.isfinite(fusion.Bucket.of(updates).flatten(updates)))
+    finite = protocol.all_finite(fusion.Bucket.of(updates).flatten(updates))
     # Every device's own shard: the skip must be the same on all of them.
     finite = jax.lax.pmin(finite.astype(jnp.int32), axes) > 0
     new_shard = optax.apply_updates(shard, updates)
