@@ -60,15 +60,20 @@ class Counts(NamedTuple):
   heaviest: list
 
 
-def _bytes(shape: str) -> int:
-  total = 0
+def _arrays(shape: str) -> list[tuple[str, int]]:
+  """``(dtype, elements)`` of each array in an HLO shape (several for a tuple)."""
+  arrays = []
   for dtype, dims in _SHAPE.findall(shape):
     elements = 1
     for d in dims.split(","):
       if d:
         elements *= int(d)
-    total += elements * _BYTES[dtype]
-  return total
+    arrays.append((dtype, elements))
+  return arrays
+
+
+def _bytes(shape: str) -> int:
+  return sum(elements * _BYTES[dtype] for dtype, elements in _arrays(shape))
 
 
 class _Instruction(NamedTuple):
@@ -142,14 +147,7 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
 
 
 def _elements(shape: str) -> int:
-  total = 0
-  for _, dims in _SHAPE.findall(shape):
-    elements = 1
-    for d in dims.split(","):
-      if d:
-        elements *= int(d)
-    total += elements
-  return total
+  return sum(elements for _, elements in _arrays(shape))
 
 
 def _read(param: _Instruction, users: dict, full: int) -> int:
@@ -182,7 +180,7 @@ def _read(param: _Instruction, users: dict, full: int) -> int:
 
 def _itemsize(shape: str) -> int:
   """Bytes per element of an array shape (the widest, for a tuple)."""
-  return max((_BYTES[dtype] for dtype, _ in _SHAPE.findall(shape)), default=0)
+  return max((_BYTES[dtype] for dtype, _ in _arrays(shape)), default=0)
 
 
 def _parameter_index(parameter: _Instruction) -> int:
