@@ -8,8 +8,9 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   copy, a concatenate, a sort, a dot, a collective), in the entry
   computation and in the computations a ``while`` or ``call`` runs (loop
   bodies once, not per iteration) and in the lightest branch of a
-  ``conditional`` (a selection's fast path, not its rare fallback);
-  parameters, constants, tuples and bitcasts are free and not counted.
+  ``conditional`` that does any work (a selection's fast path, not its rare
+  fallback); parameters, constants, tuples and bitcasts are free and not
+  counted.
 * **passes**: the bytes those kernels read and write, divided by the bytes
   of one f32 buffer of ``n`` elements (the gradient's size): a step that
   reads the gradient once and writes it once makes 2 passes. A fusion's
@@ -213,7 +214,8 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
   """``[(passes, opcode, op_name)]`` of every kernel a run of computation ``name`` starts.
 
   A ``while`` counts its condition and body once; a ``conditional`` its
-  lightest branch (a selection's fast path, not its rare fallback).
+  lightest branch that launches a kernel (a selection's fast path, not its
+  rare fallback; not a branch that only hands its operands back).
   """
   if name in stack or name not in computations:
     return []
@@ -226,7 +228,8 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
       branches = [_weights(b, computations, n, stack)
                   for key in ("branch_computations", "true_computation", "false_computation")
                   for b in _called(instruction, key)]
-      weights.extend(min(branches, key=lambda ws: sum(w[0] for w in ws), default=[]))
+      working = [ws for ws in branches if ws] or [[]]
+      weights.extend(min(working, key=lambda ws: sum(w[0] for w in ws)))
       continue
     if instruction.op in _CONTROL:
       for key in ("condition", "body", "to_apply"):
