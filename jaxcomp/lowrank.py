@@ -12,7 +12,9 @@ fused mean all-reduce per factor (the 2D-torus all-reduce when
 
 Leaves of the same matrix shape are laid side by side and handled as one
 batch (the twelve layers of a transformer share four shapes), so the number
-of matrix products does not grow with the depth of the model.
+of matrix products does not grow with the depth of the model. The factors'
+columns of every leaf are orthonormalised in one zero-padded batch
+(:meth:`MatrixView.columns`), so neither does the orthonormalisation.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from fractions import Fraction
 import functools
 import itertools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from jaxcomp import base
@@ -111,6 +114,43 @@ class MatrixView:
     """A flat ``Q`` buffer as one ``[count, cols, r]`` batch per group."""
     return _split(flat, [(g, cols, self.rank) for g, _, cols in self.groups])
 
+  def length(self, factors: str = "pq") -> int:
+    """The longest column of the ``P`` (``"p"``), ``Q`` (``"q"``) or both (``"pq"``) factors."""
+    return max((max(rows if "p" in factors else 0, cols if "q" in factors else 0)
+                for _, rows, cols in self.groups), default=0)
+
+  def columns(self, flat: jax.Array, factor: str, length: Optional[int] = None) -> jax.Array:
+    """A flat ``P`` (``factor="p"``) or ``Q`` buffer as ``[leaves, r, L]``, zero-padded.
+
+    One row per factor column, every compressed leaf in one batch (in the
+    order of :attr:`lowrank`), so that column-wise work on every factor is
+    one program over a small buffer. ``L`` is ``length``, by default the
+    factor's longest column. Read by one gather whose indices come from
+    iotas (no per-group pieces, no index constant of the buffer's size).
+    """
+    starts, lengths, offset = [], [], 0
+    for g, rows, cols in self.groups:
+      n = rows if factor == "p" else cols
+      starts += [offset + k * n * self.rank for k in range(g)]
+      lengths += [n] * g
+      offset += g * n * self.rank
+    shape = (len(starts), self.rank, length or self.length(factor))
+    column = lax.broadcasted_iota(jnp.int32, shape, 1)
+    position = lax.broadcasted_iota(jnp.int32, shape, 2)
+    inside = position < jnp.asarray(lengths, jnp.int32)[:, None, None]
+    index = jnp.asarray(starts, jnp.int32)[:, None, None] + position * self.rank + column
+    values = flat.at[jnp.where(inside, index, 0)].get(mode="promise_in_bounds")
+    return jnp.where(inside, values, 0.0)
+
+  def uncolumns(self, columns: jax.Array, factor: str) -> jax.Array:
+    """The flat ``P`` (``factor="p"``) or ``Q`` buffer of ``[leaves, r, L]`` columns."""
+    parts, start = [], 0
+    for g, rows, cols in self.groups:
+      n = rows if factor == "p" else cols
+      parts.append(jnp.swapaxes(columns[start:start + g, :, :n], -1, -2))
+      start += g
+    return _join(parts)
+
 
 def _split(flat: jax.Array, shapes) -> list[jax.Array]:
   out, offset = [], 0
@@ -128,30 +168,36 @@ def _join(batches) -> jax.Array:
   return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def _orthonormalize(factor: jax.Array) -> jax.Array:
-  """Modified Gram-Schmidt on the columns of each ``[n, r]`` matrix of a batch.
+def _orthonormalize(columns: jax.Array) -> jax.Array:
+  """Modified Gram-Schmidt on each ``[r, L]`` matrix of a ``[B, r, L]`` batch, row by row.
+
+  Row ``i`` (a factor's column ``i``, see :meth:`MatrixView.columns`) loses
+  its projections on the rows before it, then is scaled to norm 1. Every
+  factor of every leaf goes through one batch: the program holds ``r``
+  rounds of reductions, not ``r`` per matrix shape. Zero padding at the end
+  of a row changes no projection and no norm, and stays zero.
 
   Deterministic (the same program on the same input gives the same bits on
-  every device). A column that is exactly zero after the projections stays
+  every device). A row that is exactly zero after the projections stays
   zero instead of dividing by zero; NaN stays NaN (poison survives).
   """
-  columns = []
-  for i in range(factor.shape[-1]):
-    col = factor[..., i]
-    for prev in columns:
-      col = col - jnp.sum(prev * col, axis=-1, keepdims=True) * prev
-    norm = jnp.sqrt(jnp.sum(col * col, axis=-1, keepdims=True))
-    columns.append(col / jnp.where(norm == 0, 1.0, norm))
-  return jnp.stack(columns, axis=-1)
+  rows = []
+  for i in range(columns.shape[-2]):
+    row = columns[..., i, :]
+    for prev in rows:
+      row = row - jnp.sum(prev * row, axis=-1, keepdims=True) * prev
+    norm = jnp.sqrt(jnp.sum(row * row, axis=-1, keepdims=True))
+    rows.append(row / jnp.where(norm == 0, 1.0, norm))
+  return jnp.stack(rows, axis=-2)
 
 
 def _refill(new: jax.Array, old: jax.Array) -> jax.Array:
-  """``new``, with each all-zero column replaced by ``old``'s.
+  """``new`` (``[B, r, L]`` columns), with each all-zero factor column replaced by ``old``'s.
 
   A factor column is zero when its leaf's gradient was zero; warm-starting
   from it would keep the column zero for ever (``M 0 = 0``).
   """
-  return jnp.where(jnp.all(new == 0, axis=-2, keepdims=True), old, new)
+  return jnp.where(jnp.all(new == 0, axis=-1, keepdims=True), old, new)
 
 
 def _products(p_factors, q_factors) -> list[jax.Array]:
@@ -171,8 +217,8 @@ def _init_factors(view: MatrixView, seed: int) -> tuple[jax.Array, jax.Array]:
   key_p, key_q = jax.random.split(jax.random.key(seed))
   p = jax.random.normal(key_p, (view.p_size,), jnp.float32)
   q = jax.random.normal(key_q, (view.q_size,), jnp.float32)
-  return (_join([_orthonormalize(x) for x in view.p_factors(p)]),
-          _join([_orthonormalize(x) for x in view.q_factors(q)]))
+  return (view.uncolumns(_orthonormalize(view.columns(p, "p")), "p"),
+          view.uncolumns(_orthonormalize(view.columns(q, "q")), "q"))
 
 
 def _check_rank(rank) -> int:
@@ -306,13 +352,14 @@ def powersgd(
     local_p = [jnp.einsum("gmn,gnr->gmr", m, q)
                for m, q in zip(matrices, view.q_factors(q_start))]
     reduced = ctx.mean(jnp.concatenate([_join(local_p), corrected[view.lowrank.size:]]))
-    p_hat = [_orthonormalize(p) for p in view.p_factors(reduced[:view.p_size])]
+    p_hat = view.p_factors(view.uncolumns(
+        _orthonormalize(view.columns(reduced[:view.p_size], "p")), "p"))
     local_q = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_hat)]
     q_mean = ctx.mean(_join(local_q))
     approx = _products(p_hat, view.q_factors(q_mean))
     sent = _products(p_hat, local_q)
-    new_q = _join([_refill(new, old) for new, old in zip(
-        view.q_factors(q_mean), view.q_factors(q_start))])
+    new_q = view.uncolumns(
+        _refill(view.columns(q_mean, "q"), view.columns(q_start, "q")), "q")
     return protocol.Output(
         mean=_leaf_means(view, approx, reduced[view.p_size:]),
         residual=_leaf_residuals(view, corrected, sent),
@@ -377,7 +424,8 @@ def acpsgd(
   factors' orthonormalisation moves off the critical path (the paper's
   point). Both branches live in one compiled program (a ``lax.switch`` on
   the parity of ``count``, the same on every device: branch 0 the P step,
-  branch 1 the Q step). Error feedback as in
+  branch 1 the Q step); a branch holds the product and the all-reduce, and
+  the one orthonormalisation runs after it. Error feedback as in
   :func:`powersgd`; ``P^`` and ``Q^`` start Gaussian from ``seed``,
   orthonormal. A factor column that comes back zero (a zero gradient) keeps
   its previous value before the orthonormalisation.
@@ -424,30 +472,36 @@ def acpsgd(
   def step(ctx, corrected, state):
     view = _view_of(ctx.bucket, rank, min_compression_rate)
     dense = corrected[view.lowrank.size:]
-    p_old, q_old = view.p_factors(state.p), view.q_factors(state.q)
+    length = view.length()  # P and Q columns share one batch shape
 
-    # The branches return factors only, (P, Q) of the mean and of this
-    # device's contribution: the n-sized products are made once, after the
-    # switch, straight into the result and the residual (a branch's n-sized
-    # outputs would be fresh buffers, copied from).
+    # The branches hold the product and the exchange only, and return
+    # factors: (P, Q) of the mean and of this device's contribution, and the
+    # reduced factor and its old value as columns. The n-sized products and
+    # the one orthonormalisation are made once, after the switch (a
+    # branch's n-sized outputs would be fresh buffers, copied from, and a
+    # branch's own program compiles slowly).
     def p_step(matrices):
-      local = [jnp.einsum("gmn,gnr->gmr", m, q) for m, q in zip(matrices, q_old)]
+      local = [jnp.einsum("gmn,gnr->gmr", m, q)
+               for m, q in zip(matrices, view.q_factors(state.q))]
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
-      p_mean = view.p_factors(reduced[:view.p_size])
-      new_p = _join([_orthonormalize(_refill(new, old)) for new, old in zip(p_mean, p_old)])
-      return (reduced[:view.p_size], state.q, _join(local), state.q,
-              reduced[view.p_size:], new_p, state.q)
+      p_mean = reduced[:view.p_size]
+      return (p_mean, state.q, _join(local), state.q, reduced[view.p_size:],
+              view.columns(p_mean, "p", length), view.columns(state.p, "p", length))
 
     def q_step(matrices):
-      local = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_old)]
+      local = [jnp.einsum("gmn,gmr->gnr", m, p)
+               for m, p in zip(matrices, view.p_factors(state.p))]
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
-      q_mean = view.q_factors(reduced[:view.q_size])
-      new_q = _join([_orthonormalize(_refill(new, old)) for new, old in zip(q_mean, q_old)])
-      return (state.p, reduced[:view.q_size], state.p, _join(local),
-              reduced[view.q_size:], state.p, new_q)
+      q_mean = reduced[:view.q_size]
+      return (state.p, q_mean, state.p, _join(local), reduced[view.q_size:],
+              view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
 
-    p_mean, q_mean, p_sent, q_sent, dense_mean, new_p, new_q = ctx.switch(
+    even = ctx.count % 2 == 0
+    p_mean, q_mean, p_sent, q_sent, dense_mean, fresh, old = ctx.switch(
         ctx.count % 2, (p_step, q_step), view.matrices(corrected[:view.lowrank.size]))
+    ortho = _orthonormalize(_refill(fresh, old))
+    new_p = jnp.where(even, view.uncolumns(ortho, "p"), state.p)
+    new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
     approx = _products(view.p_factors(p_mean), view.q_factors(q_mean))
     sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
     return protocol.Output(

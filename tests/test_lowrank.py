@@ -151,6 +151,26 @@ def test_matrix_view():
   assert lowrank.MatrixView.of(PARAMS, RANK, 3.3).groups == ((2, 16, 12),)
 
 
+@pytest.mark.parametrize("factor", ["p", "q"])
+def test_columns_pad_and_round_trip(factor):
+  """Every leaf's factor columns are rows of one zero-padded batch, in bucket order."""
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  size = view.p_size if factor == "p" else view.q_size
+  flat = jnp.arange(1, size + 1, dtype=jnp.float32)
+  length = view.length()
+  columns = np.asarray(view.columns(flat, factor, length))
+  assert columns.shape == (3, RANK, 36) and view.length("q") == 12
+  leaves = [batch[i] for batch in (view.p_factors(flat) if factor == "p" else view.q_factors(flat))
+            for i in range(batch.shape[0])]
+  for row, leaf in zip(columns, leaves):
+    n = leaf.shape[0]
+    np.testing.assert_array_equal(row[:, :n], np.asarray(leaf).T)
+    np.testing.assert_array_equal(row[:, n:], 0)
+  np.testing.assert_array_equal(view.uncolumns(jnp.asarray(columns), factor), flat)
+  np.testing.assert_array_equal(
+      view.uncolumns(view.columns(flat, factor), factor), flat)
+
+
 def test_powersgd_matches_numpy_oracle():
   run = _run("powersgd", "1d")
   grads, state0 = _np(run["grads"][0]), run["states"][0]
