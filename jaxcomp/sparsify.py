@@ -201,16 +201,47 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
 
 
 def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
-  """``k`` distinct indices of ``[0, n)``, uniform, sorted (int32).
+  """``k`` distinct indices of ``[0, n)``, sorted (int32), each drawn with probability ``k / n``.
 
-  The ``k`` largest of ``n`` uniform draws (a uniform ``k``-subset); all of
-  them, in order, when ``k == n``.
+  A stratified draw with a random rotation, ``O(k)`` work: ``[0, n)`` is cut
+  into ``k`` strata of ``q = n // k`` consecutive positions, ``q + 1`` for
+  the first ``n % k`` (stratum ``j`` starts at ``j q + min(j, n % k)``); one
+  position is drawn uniformly in each, and all are rotated by one uniform
+  ``r``::
+
+    r_key, offset_key = jax.random.split(key)
+    r = jax.random.randint(r_key, (), 0, n)
+    index_j = (start_j + jax.random.randint(offset_key, (k,), 0, size)[j] + r) mod n
+
+  The rotation makes the inclusion probability of every position exactly
+  ``k / n`` (it falls in each position of the strata equally often), as in
+  a uniform ``k``-subset, which would cost a draw and a selection over all
+  ``n``; the strata make the indices distinct and spread out (never two in
+  one stratum). All of ``[0, n)``, in order, when ``k == n``.
+
+  Args:
+    key: a typed PRNG key; the same key gives the same indices on every device.
+    n: the number of positions, ``>= 1``.
+    k: how many to draw, ``1 <= k <= n``.
+
+  Returns:
+    ``int32[k]``, increasing.
   """
   if k == n:
     return jnp.arange(n, dtype=jnp.int32)
-  draws = jax.random.uniform(key, (n,))
-  # The same k entries as lax.top_k (the draws are >= 0, their magnitudes).
-  return jnp.sort(selection.topk(draws, k)[1])
+  r_key, offset_key = jax.random.split(key)
+  q, longer = divmod(n, k)
+  stratum = jnp.arange(k, dtype=jnp.int32)
+  start = stratum * q + jnp.minimum(stratum, longer)
+  size = q + (stratum < longer).astype(jnp.int32)
+  position = start + jax.random.randint(offset_key, (k,), 0, size, dtype=jnp.int32)
+  r = jax.random.randint(r_key, (), 0, n, dtype=jnp.int32)
+  # position + r may pass 2**31; position - (n - r) stays in [-n, n).
+  shifted = position - (n - r)
+  wrapped = shifted >= 0
+  # The positions that wrap are the last strata and land below r: rolling
+  # them to the front sorts the indices without a sort.
+  return jnp.roll(jnp.where(wrapped, shifted, shifted + n), jnp.sum(wrapped, dtype=jnp.int32))
 
 
 def randomk(
@@ -219,12 +250,15 @@ def randomk(
   """Random-k sparsification: shared random coordinates, one dense all-reduce.
 
   Every step draws ``k = max(1, ceil(density * n))`` distinct coordinates of
-  the fused gradient from the PRNG key in the state. The key is the same on
-  every device (it is never folded with ``axis_index``) and is split every
-  step, so all devices pick the same coordinates and their ``k`` values are
-  averaged with one dense all-reduce (the 2D-torus
-  all-reduce for a pair of axes). Error feedback keeps the rest:
-  ``e' = c - s``, ``c = g + e``, ``s`` the values taken.
+  the fused gradient from the PRNG key in the state, one in each of ``k``
+  equal strata under a random rotation (:func:`random_indices`: each
+  coordinate is sent with probability ``k / n``, and the draw is ``O(k)``
+  work, no pass over ``n``). The key is the same on every device (it is
+  never folded with ``axis_index``) and is split every step, so all devices
+  pick the same coordinates and their ``k`` values are averaged with one
+  dense all-reduce (the 2D-torus all-reduce for a pair of axes). Error
+  feedback keeps the rest: ``e' = c - s``, ``c = g + e``, ``s`` the values
+  taken.
 
   Args:
     density: share of the gradient sent, in (0, 1].
@@ -255,10 +289,12 @@ def randomk(
     del state
     n = ctx.bucket.size
     indices = random_indices(ctx.key, n, base.num_selected(density, n))
-    mean_values = ctx.mean(corrected[indices])
+    mean_values = ctx.mean(corrected.at[indices].get(indices_are_sorted=True,
+                                                     unique_indices=True))
     return protocol.Output(
         mean=collectives.densify(mean_values, indices, n),
-        residual=corrected.at[indices].set(0.0, mode="drop"))
+        residual=protocol.Zeroed(indices),
+        witness=mean_values)
 
   def wire_cost(bucket, sizes, steps):
     del steps

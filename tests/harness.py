@@ -100,13 +100,22 @@ def np_topk(x, k):
 
 
 def random_indices_reference(key, n, k):
-  """The spec of random-k's coordinates, sorted int32: the k largest of n uniform draws.
+  """The spec of random-k's coordinates, sorted int32: one per stratum, rotated.
 
-  ``key`` is the step's draw key; the draws are ``jax.random.uniform(key, (n,))``
-  and the choice is numpy's (ties: lower index), not the library's.
+  ``key`` is the step's draw key. The draws are JAX's (``r`` and the
+  per-stratum offsets, as documented in ``sparsify.random_indices``); the
+  strata, the rotation modulo ``n`` and the order are numpy's, in int64.
   """
-  draws = np.asarray(jax.random.uniform(key, (n,)))
-  return np.sort(np.argsort(-draws, kind="stable")[:k]).astype(np.int32)
+  if k == n:
+    return np.arange(n, dtype=np.int32)
+  r_key, offset_key = jax.random.split(key)
+  q, longer = divmod(n, k)
+  sizes = np.array([q + 1] * longer + [q] * (k - longer), np.int64)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  offsets = np.asarray(jax.random.randint(offset_key, (k,), 0, sizes.astype(np.int32),
+                                          dtype=np.int32))
+  r = int(jax.random.randint(r_key, (), 0, n, dtype=np.int32))
+  return np.sort((starts + offsets + r) % n).astype(np.int32)
 
 
 def step_draw_keys(seed, steps):

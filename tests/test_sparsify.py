@@ -287,23 +287,35 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
 # ------------------------------------------------------------------ random indices
 
 
-def test_random_indices_are_distinct_and_uniform():
-  draws = jax.vmap(lambda key: sparsify.random_indices(key, 50, 10))(
-      jax.random.split(jax.random.key(0), 2000))
-  draws = np.asarray(draws)
-  assert all(len(set(row)) == 10 for row in draws)
-  assert np.all(np.diff(draws, axis=1) > 0)
-  counts = np.bincount(draws.reshape(-1), minlength=50)
-  assert counts.min() > 320 and counts.max() < 480  # 400 expected, sd 18
+@pytest.mark.parametrize("n, k", [(50, 10), (23, 5), (10, 9), (7, 1)])
+def test_random_indices_are_distinct_in_range_and_uniform(n, k):
+  """Sorted distinct indices of [0, n); every coordinate drawn with probability k / n.
+
+  Rows are independent, so a coordinate's count over T rows is Binomial(T, k / n)
+  exactly; 4 sd separates it from the strata alone (23, 5: 1/4 or 1/5, not 5/23).
+  """
+  rows = 20_000
+  draws = np.asarray(jax.jit(jax.vmap(lambda key: sparsify.random_indices(key, n, k)))(
+      jax.random.split(jax.random.key(0), rows)))
+  assert draws.dtype == np.int32 and draws.shape == (rows, k)
+  assert draws.min() >= 0 and draws.max() < n
+  assert np.all(np.diff(draws, axis=1) > 0)  # sorted, hence distinct
+  p = k / n
+  counts = np.bincount(draws.reshape(-1), minlength=n)
+  assert np.all(np.abs(counts - rows * p) < 4 * np.sqrt(rows * p * (1 - p)))
+
+
+def test_random_indices_of_every_coordinate():
   every = sparsify.random_indices(jax.random.key(0), 7, 7)
   np.testing.assert_array_equal(np.asarray(every), np.arange(7))
 
 
-def test_random_indices_are_the_largest_draws():
-  """The documented rule, rebuilt from the draws: the k largest of n uniform draws."""
+@pytest.mark.parametrize("n, k", [(N, 27), (N, N - 1), (2**31 - 1, 1000)])
+def test_random_indices_follow_the_documented_law(n, k):
+  """The documented rule, rebuilt in numpy from the draws (int64: n near 2**31 cannot wrap)."""
   for key in jax.random.split(jax.random.key(4), 5):
-    got = np.asarray(jax.jit(sparsify.random_indices, static_argnums=(1, 2))(key, N, 27))
-    harness.assert_bitwise_equal(got, harness.random_indices_reference(key, N, 27))
+    got = np.asarray(jax.jit(sparsify.random_indices, static_argnums=(1, 2))(key, n, k))
+    harness.assert_bitwise_equal(got, harness.random_indices_reference(key, n, k))
 
 
 # ------------------------------------------------------------------ arguments
