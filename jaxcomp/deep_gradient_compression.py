@@ -217,18 +217,24 @@ def dgc(
 
   def prepare(ctx, gradient, state):
     """Clipping, then the momentum correction of the sparse leaves (before error feedback)."""
+    scale = 1.0
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(ctx.num_devices)
-      gradient = gradient * jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
-    n_s = _sparse(ctx.bucket, where).size
-    u, acc = accumulate(ctx.bucket.flatten(state.momentum)[:n_s], gradient[:n_s])
-    return jnp.concatenate([acc, gradient[n_s:]]), u
+      scale = jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
+    sparse = _sparse(ctx.bucket, where)
+    # Leaf by leaf, scaled on the way: slices of the fused gradient are its
+    # leaves, so no fused copy of the gradient or the momentum is made.
+    momenta = jax.tree.leaves(state.momentum)
+    pairs = [accumulate(momenta[i], g * scale)
+             for i, g in zip(sparse.leaves, sparse.split(gradient[:sparse.size]))]
+    acc = [a.reshape(-1) for _, a in pairs] + [gradient[sparse.size:] * scale]
+    return fusion.concat(acc), [u for u, _ in pairs]
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
     means, kept, momenta, witness = [], [], [], []
     if sparse.size:
-      velocity, u = corrected[:sparse.size], ctx.carry
+      velocity = corrected[:sparse.size]
 
       def exchange(k):
         if sample_ratio == 1.0:
@@ -236,17 +242,23 @@ def dgc(
         else:
           values, indices = selection.sampled_topk(velocity, k, k, ctx.key, sample_ratio)
         all_values, all_indices = ctx.sparse_allgather(values, indices)
-        # What was sent leaves the velocity, and its momentum is masked.
-        return (collectives.densify(all_values, all_indices, sparse.size),
-                velocity.at[indices].set(0.0, mode="drop"), u.at[indices].set(0.0, mode="drop"))
+        sent = jnp.zeros(sparse.size, jnp.bool_).at[indices].set(True, mode="drop")
+        return collectives.densify(all_values, all_indices, sparse.size), sent
 
       ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
-        sparse_mean, velocity, u = ctx.switch(
+        # The stages' k differ, so a branch returns the n-sized mean and an
+        # n-byte mask of what was sent, not its indices.
+        sparse_mean, sent = ctx.switch(
             _stage(ctx.count, warmup_steps), [functools.partial(exchange, k) for k in ks])
       else:
-        sparse_mean, velocity, u = exchange(ks[-1])
-      means, kept, momenta = (sparse.split(x) for x in (sparse_mean, velocity, u))
+        sparse_mean, sent = exchange(ks[-1])
+      # What was sent leaves the velocity, and its momentum is masked, leaf by
+      # leaf: no n-sized copy to scatter into and split again.
+      sent = sparse.split(sent)
+      kept = [jnp.where(m, 0.0, v) for m, v in zip(sent, sparse.split(velocity))]
+      momenta = [jnp.where(m, 0.0, u) for m, u in zip(sent, ctx.carry)]
+      means = sparse.split(sparse_mean)
       witness.append(sparse_mean)
     if dense.size:
       u, out = accumulate(dense.flatten(state.momentum), ctx.mean(corrected[sparse.size:]))
