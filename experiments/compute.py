@@ -8,11 +8,12 @@ itself (selection, packing, projections, error feedback) and the fused copy
 in and out that dense pays too. :func:`measure_step` times a whole training
 step (forward, backward and compression) the same way.
 
-:data:`NS_PER_ELEMENT` holds figures measured once with
+:data:`NS_PER_ELEMENT` holds figures measured with
 ``experiments.bench_compression`` on ResNet-50's 25.6M gradient elements:
 each method's median step less dense ``allreduce``'s in the same run (the
 fused copy every method pays, which is not compression), divided by the
-element count, and 0 where a method measured no slower than dense. They are
+element count, 0 where a method measured no slower than dense, averaged
+over two runs. They are
 measurements of one machine (:data:`DEVICE`), not properties of the methods:
 re-measure them for another.
 
@@ -38,9 +39,8 @@ AXIS = "data"
 
 DEVICE = "2 CPU cores, one process, one device, jax 0.10.2"
 _ALL_METHODS = "python -m experiments.bench_compression --model resnet50 --repeats 9"
-_QSGD = ("python -m experiments.bench_compression --model resnet50 --repeats 5"
-         " --only allreduce,qsgd,topk")
-_QUIET = "a quiet machine: dense 106 ms per step"
+_TWO_RUNS = ("the mean of two runs (dense 127.6 and 160.1 ms per step: the dense step itself"
+             " moves by a quarter between runs here, so a figure is within about 1 ns)")
 
 
 class Measurement(NamedTuple):
@@ -61,22 +61,14 @@ class Measurement(NamedTuple):
   note: str
 
 
-# On :data:`DEVICE`, ResNet-50 shapes (25,557,032 elements). Random-k draws
-# its shared indices by a top-k of n uniform draws.
+# On :data:`DEVICE`, ResNet-50 shapes (25,557,032 elements), after the
+# shared path's passes were cut (experiments/results/bench_compression.md).
 NS_PER_ELEMENT: dict[str, Measurement] = {
-    "allreduce": Measurement(0.0, _ALL_METHODS, "2026-11-23", _QUIET),
-    "cast": Measurement(0.0, _ALL_METHODS, "2026-11-23", _QUIET),
-    "topk": Measurement(1.71, _ALL_METHODS, "2026-11-23", _QUIET),
-    "gtopk": Measurement(1.60, _ALL_METHODS, "2026-11-23", _QUIET),
-    "randomk": Measurement(14.6, _ALL_METHODS, "2026-11-23", _QUIET),
-    "dgc": Measurement(4.72, _ALL_METHODS, "2026-11-23", _QUIET),
-    "signsgd": Measurement(1.73, _ALL_METHODS, "2026-11-23", _QUIET),
-    "qsgd": Measurement(
-        18.8, _QSGD, "2026-11-23",
-        "the two-hop QSGD (levels 8, buckets of 512) on a quiet machine: dense 134.2 ms,"
-        " qsgd 613.5 ms per step (n uniform draws and two quantizations)"),
-    "powersgd": Measurement(1.15, _ALL_METHODS, "2026-11-23", _QUIET),
-    "acpsgd": Measurement(2.01, _ALL_METHODS, "2026-11-23", _QUIET),
+    name: Measurement(figure, _ALL_METHODS, "2026-11-23", _TWO_RUNS)
+    for name, figure in {
+        "allreduce": 0.0, "cast": 0.0, "topk": 0.46, "gtopk": 1.15, "randomk": 0.0,
+        "dgc": 3.19, "signsgd": 0.0, "qsgd": 18.6, "powersgd": 1.67, "acpsgd": 1.39,
+    }.items()
 }
 
 
