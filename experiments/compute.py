@@ -13,9 +13,8 @@ step (forward, backward and compression) the same way.
 each method's median step less dense ``allreduce``'s in the same run (the
 fused copy every method pays, which is not compression), divided by the
 element count, 0 where a method measured no slower than dense, averaged
-over two runs. They are
-measurements of one machine (:data:`DEVICE`), not properties of the methods:
-re-measure them for another.
+over two runs. They are measurements of one machine (:data:`DEVICE`), not
+properties of the methods: re-measure them for another.
 
 Example::
 
