@@ -242,8 +242,8 @@ def dgc(
         else:
           values, indices = selection.sampled_topk(velocity, k, k, ctx.key, sample_ratio)
         all_values, all_indices = ctx.sparse_allgather(values, indices)
-        sent = jnp.zeros(sparse.size, jnp.bool_).at[indices].set(True, mode="drop")
-        return collectives.densify(all_values, all_indices, sparse.size), sent
+        return (collectives.densify(all_values, all_indices, sparse.size),
+                error_feedback.sent_mask(sparse.size, indices))
 
       ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
@@ -256,8 +256,8 @@ def dgc(
       # What was sent leaves the velocity, and its momentum is masked, leaf by
       # leaf: no n-sized copy to scatter into and split again.
       sent = sparse.split(sent)
-      kept = [jnp.where(m, 0.0, v) for m, v in zip(sent, sparse.split(velocity))]
-      momenta = [jnp.where(m, 0.0, u) for m, u in zip(sent, ctx.carry)]
+      kept = error_feedback.zero_sent(sent, sparse.split(velocity))
+      momenta = error_feedback.zero_sent(sent, ctx.carry)
       means = sparse.split(sparse_mean)
       witness.append(sparse_mean)
     if dense.size:

@@ -43,6 +43,16 @@ def compensate(bucket: fusion.Bucket, updates: optax.Updates, residual: optax.Pa
                         for i in bucket.leaves])
 
 
+def sent_mask(n: int, indices: jax.Array) -> jax.Array:
+  """``bool[n]``: true at ``indices`` (any shape; ``EMPTY_INDEX`` slots dropped)."""
+  return jnp.zeros(n, jnp.bool_).at[indices.reshape(-1)].set(True, mode="drop")
+
+
+def zero_sent(sent: Sequence[jax.Array], parts: Sequence[jax.Array]) -> list[jax.Array]:
+  """Each of ``parts`` with 0 where its piece of the ``sent`` mask is true (shapes alike)."""
+  return [jnp.where(m.reshape(x.shape), jnp.zeros((), x.dtype), x) for m, x in zip(sent, parts)]
+
+
 def zeroed(bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array) -> list[jax.Array]:
   """The leaves of ``corrected`` (``f32[bucket.size]``) with the entries at ``indices`` set to 0.
 
@@ -50,9 +60,7 @@ def zeroed(bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array) -> l
   by leaf through an ``n``-byte mask (``EMPTY_INDEX`` slots dropped), so the
   ``n``-sized ``c`` is neither copied nor scattered into.
   """
-  sent = jnp.zeros(bucket.size, jnp.bool_).at[indices.reshape(-1)].set(True, mode="drop")
-  return [jnp.where(m, jnp.zeros((), c.dtype), c)
-          for m, c in zip(bucket.split(sent), bucket.split(corrected))]
+  return zero_sent(bucket.split(sent_mask(bucket.size, indices)), bucket.split(corrected))
 
 
 Kept = Union[jax.Array, Sequence[Optional[jax.Array]]]
