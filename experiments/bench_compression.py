@@ -482,8 +482,9 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " in the same run; compile s is `lower(...).compile()`. **kernels** and **passes** are"
       " read from the compiled program (`experiments.hlo_counts`): the kernels a step"
       " launches (fusions, copies, sorts, collectives...; a loop body once, a conditional's"
-      " lightest branch that does any work) and the bytes they read and write over 4n, the bytes of one f32"
-      " copy of the gradient (dense reads and writes the gradient three times: 6 passes)."
+      " lightest branch that does any work) and the bytes they read and write over 4n, the"
+      " bytes of one f32 copy of the gradient (dense reads and writes the gradient three"
+      " times: 6 passes)."
       f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
       " ring.", ""]
   log("\n".join(header))
