@@ -149,6 +149,23 @@ def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
   return jax.tree.map(lambda x: x[device], opt_state)
 
 
+class _UpdateResult(tuple):
+  """``(updates, opt_state)`` whose leaves flatten state first.
+
+  ``jit`` hands a donated input's buffer to the first output of the same
+  shape. The stacked updates are shaped like the stacked residuals and come
+  first in ``(updates, opt_state)``, so each residual's buffer went to an
+  update, and every residual was written to a new buffer and copied back: two
+  passes over ``n`` a step. Flattened state first, each residual is updated
+  in its own buffer.
+  """
+
+
+jax.tree_util.register_pytree_node(
+    _UpdateResult, lambda r: ((r[1], r[0]), None),
+    lambda _, children: _UpdateResult((children[1], children[0])))
+
+
 def make_update(
     tx: optax.GradientTransformation,
     mesh: Mesh,
@@ -191,7 +208,7 @@ def make_update(
 
   def update(grads, opt_state):
     _check_stacked(opt_state, count, "opt_state")
-    return sharded(grads, opt_state)
+    return _UpdateResult(sharded(grads, opt_state))
 
   return jax.jit(update, donate_argnums=(1,) if donate else ())
 

@@ -1,5 +1,7 @@
 """The data-parallel step: 8 devices with allreduce equal one device with the full batch."""
 
+import re
+
 import chex
 from flax import nnx
 import jax
@@ -132,6 +134,25 @@ def test_steps_refuse_a_state_without_the_device_axis():
     update(grads, tx.init(params))
   updates, _ = update(grads, training.init_state(tx, params, mesh, "data"))
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(updates))
+
+
+def test_a_donating_update_writes_each_state_leaf_over_its_own_buffer():
+  # jit hands a donated buffer to the first output of its shape: the stacked
+  # updates are shaped like the residuals, so they must not come first.
+  params = {"b": jnp.zeros(5), "w": jnp.zeros((4, 3))}
+  mesh = training.make_mesh(8)
+  tx = jaxcomp.topk(0.5, "data")
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  update = training.make_update(tx, mesh, "data", donate=True)
+  text = update.lower(grads, state).compile().as_text()
+  aliases = re.findall(r"\{(\d+)\}: \((\d+), \{\}", text.split("\n", 1)[0])
+  num_grads, num_state = len(jax.tree.leaves(grads)), len(jax.tree.leaves(state))
+  assert sorted((int(out), int(arg)) for out, arg in aliases) == [
+      (i, num_grads + i) for i in range(num_state)]
+  out, new_state = update(grads, state)
+  chex.assert_trees_all_equal_shapes(out, grads)
+  chex.assert_trees_all_equal_shapes(new_state, state)
 
 
 def test_init_state_refuses_momentum_after_dgc():
