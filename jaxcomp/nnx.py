@@ -4,9 +4,9 @@ A jaxcomp compressor's state is per device: each device's error-feedback
 residual (and momentum, factors, key) is its own. ``nnx.Optimizer`` holds one
 state for the whole model, so two things are added to a Flax loop:
 
-* :func:`per_device` wraps the optax chain: its state gets a leading device
-  axis, sharded over the data axes (built outside the mesh, as
-  ``nnx.Optimizer`` builds it), and its update works on this device's row;
+* :func:`per_device` wraps the optax chain: its state is held per device,
+  sharded over the data axes (built outside the mesh, as ``nnx.Optimizer``
+  builds it), and its update works on this device's block;
 * :func:`data_parallel` wraps the train step in ``nnx.shard_map`` with the
   specs that follow: the model and the rest of the optimizer replicated, the
   per-device state and every array argument (the batch) split over the data
@@ -64,7 +64,12 @@ _FIELD = "jaxcomp_per_device"
 
 
 class PerDeviceState(NamedTuple):
-  """State of :func:`per_device`: the wrapped chain's state, every leaf ``[devices, ...]``."""
+  """State of :func:`per_device`: the wrapped chain's state laid out per device.
+
+  Every leaf as :func:`jaxcomp.training.init_state` lays it out: the devices'
+  states one after the other along its first dimension (``[devices]`` for a
+  scalar).
+  """
 
   jaxcomp_per_device: optax.OptState
 
@@ -91,10 +96,11 @@ def per_device(
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`PerDeviceState`:
-    ``init`` (outside the mesh) stacks ``tx.init(params)`` once per device
-    along a new leading axis sharded over ``axis_name``; ``update`` (inside
-    :func:`data_parallel`, where each device sees its own ``[1, ...]`` row)
-    runs ``tx.update`` on the row.
+    ``init`` (outside the mesh) repeats ``tx.init(params)`` once per device
+    along each leaf's first dimension, sharded over ``axis_name``
+    (:func:`jaxcomp.training.tile_per_device`); ``update`` (inside
+    :func:`data_parallel`, where each device sees its own block) runs
+    ``tx.update`` on the block.
   """
   _check_axes(mesh, axis_name)
   count = training.num_replicas(mesh, axis_name)
@@ -102,18 +108,20 @@ def per_device(
   def init_fn(params):
     params = nnx.as_pure(params)
     registry.check_chain(tx, params)
-    return PerDeviceState(training.stack_per_device(tx.init(params), mesh, axis_name))
+    return PerDeviceState(training.tile_per_device(tx.init(params), mesh, axis_name))
 
   def update_fn(updates, state, params=None):
-    rows = {int(jnp.shape(x)[0]) for x in jax.tree.leaves(state.jaxcomp_per_device)}
-    if rows - {1}:
+    like = jax.eval_shape(tx.init, updates)
+    blocks = state.jaxcomp_per_device
+    local = jax.tree.leaves(jax.eval_shape(training.local_to_blocks, like))
+    if [jnp.shape(x) for x in jax.tree.leaves(blocks)] != [jnp.shape(x) for x in local]:
       raise ValueError(
-          f"the per-device state has {sorted(rows)} rows here, not this device's one: call"
-          " the optimizer's update inside a step wrapped by jaxcomp.nnx.data_parallel(mesh,"
-          f" {axis_name!r}), which gives each device its own row of the {count}")
-    inner = jax.tree.map(lambda x: x[0], state.jaxcomp_per_device)
-    updates, inner = tx.update(updates, inner, params)
-    return updates, PerDeviceState(jax.tree.map(lambda x: x[None], inner))
+          "the per-device state holds every device's block here, not this device's own:"
+          " call the optimizer's update inside a step wrapped by"
+          f" jaxcomp.nnx.data_parallel(mesh, {axis_name!r}), which gives each device its"
+          f" own block of the {count}")
+    updates, inner = tx.update(updates, training.blocks_to_local(blocks, like), params)
+    return updates, PerDeviceState(training.local_to_blocks(inner))
 
   update_fn.jaxcomp_per_device_count = count  # read by data_parallel's check
   return optax.GradientTransformation(init_fn, update_fn)
@@ -150,7 +158,7 @@ def data_parallel(mesh: Mesh, axis_name: base.AxisName) -> Callable[[Callable], 
 
   Put it under ``@nnx.jit``. The step's arguments: NNX objects (the model,
   the optimizer) are replicated, but for the leaves of a :func:`per_device`
-  state, split over ``axis_name`` one row per device; every other argument
+  state, split over ``axis_name`` one block per device; every other argument
   (arrays: the batch) is split along its leading axis. Each floating array
   the step returns (the loss, metrics) is averaged over the devices, and so
   is every ``nnx.BatchStat`` (BatchNorm's running statistics, updated from

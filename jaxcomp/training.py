@@ -1,9 +1,11 @@
 """A data-parallel training step with per-device compressor state.
 
 The compressors' state differs per device (error-feedback residuals, local
-momenta), so it lives outside ``shard_map`` with a leading device axis sharded
-over the data axes; parameters are replicated; each device computes the
-gradient of its own shard of the batch::
+momenta), so it lives outside ``shard_map``, each leaf repeated once per device
+along its first dimension and sharded over the data axes (a device's block is
+its own state, shaped as ``tx.init`` made it; see :func:`tile_per_device`);
+parameters are replicated; each device computes the gradient of its own shard
+of the batch::
 
   mesh = training.make_mesh(8)                             # axis "data"
   tx = optax.chain(jaxcomp.gtopk(1e-3, "data"), optax.sgd(0.1))
@@ -111,18 +113,68 @@ def _state_sharding(mesh: Mesh, axis_name: base.AxisName, leaf) -> NamedSharding
 
 
 def stack_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
-  """Each leaf copied once per device along a new leading axis, sharded over it."""
+  """Each leaf copied once per device along a new leading axis, sharded over it.
+
+  The layout of per-device data (gradients for :func:`make_update`); state
+  takes :func:`tile_per_device`'s.
+  """
   count = num_replicas(mesh, axis_name)
   return jax.tree.map(
       lambda x: jax.device_put(jnp.broadcast_to(x, (count,) + jnp.shape(x)),
                                _state_sharding(mesh, axis_name, x)), tree)
 
 
+def per_device_shape(shape: Sequence[int], count: int) -> tuple[int, ...]:
+  """The shape of a per-device leaf whose every one of ``count`` devices holds ``shape``.
+
+  ``(count * d0, d1, ...)``: the devices' blocks one after the other along
+  the first dimension; ``(count,)`` for a scalar.
+  """
+  shape = tuple(shape)
+  return (count,) if not shape else (count * shape[0],) + shape[1:]
+
+
+def tile_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: base.AxisName) -> chex.ArrayTree:
+  """Each leaf repeated once per device along its first dimension, sharded over it.
+
+  The per-device state's layout (:func:`per_device_shape`): inside
+  ``shard_map`` over ``axis_name`` a device's block is the leaf itself, a
+  scalar's is ``[1]``. No axis is added, so a step updates each donated leaf
+  in place (a new leading axis is read through a reshape, and XLA then
+  copies every residual before writing it). A zero-size leaf is replicated.
+  """
+  count = num_replicas(mesh, axis_name)
+
+  def tile(x):
+    x = jnp.asarray(x)
+    tiled = jnp.broadcast_to(x, (count,) + x.shape).reshape(per_device_shape(x.shape, count))
+    return jax.device_put(tiled, _state_sharding(mesh, axis_name, x))
+
+  return jax.tree.map(tile, tree)
+
+
+def blocks_to_local(blocks: chex.ArrayTree, like: chex.ArrayTree) -> chex.ArrayTree:
+  """Inside ``shard_map``: each device's blocks as ``like``'s shapes (a scalar's ``[1]`` to ``[]``)."""
+  return jax.tree.map(lambda x, l: x.reshape(jnp.shape(l)), blocks, like)
+
+
+def local_to_blocks(state: chex.ArrayTree) -> chex.ArrayTree:
+  """The inverse of :func:`blocks_to_local`: a scalar back to its ``[1]`` block."""
+  return jax.tree.map(lambda x: x.reshape(1) if jnp.ndim(x) == 0 else x, state)
+
+
+def _is_blocks_of(blocks: chex.ArrayTree, like: chex.ArrayTree) -> bool:
+  """Whether ``blocks`` are one device's blocks of a state shaped like ``like``."""
+  want, want_def = jax.tree.flatten(jax.eval_shape(local_to_blocks, like))
+  got, got_def = jax.tree.flatten(blocks)
+  return got_def == want_def and all(jnp.shape(g) == w.shape for g, w in zip(got, want))
+
+
 def init_state(
     tx: optax.GradientTransformation, params: optax.Params, mesh: Mesh,
     axis_name: base.AxisName,
 ) -> optax.OptState:
-  """``tx.init(params)`` with a leading device axis, sharded over the data axes.
+  """``tx.init(params)`` laid out per device (:func:`tile_per_device`), sharded over the data axes.
 
   ``init`` binds no mesh axis, so it runs here outside ``shard_map``; every
   device starts from the same state and the residuals diverge from step one.
@@ -130,34 +182,80 @@ def init_state(
   after :func:`jaxcomp.dgc`) is refused first (:func:`jaxcomp.check_chain`).
   """
   registry.check_chain(tx, params)
-  return stack_per_device(tx.init(params), mesh, axis_name)
+  return tile_per_device(tx.init(params), mesh, axis_name)
 
 
-def _check_stacked(opt_state: optax.OptState, count: int, what: str) -> None:
-  """A clear error for a state without its leading device axis of ``count`` rows."""
+def _check_layout(opt_state: optax.OptState, count: int, what: str) -> None:
+  """A clear error for a state that no per-device layout of ``count`` devices gives."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
-    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % count:
       raise ValueError(
           f"`{what}` leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, but the"
-          f" per-device state needs a leading device axis of {count} (one row per"
-          " device): build it with `jaxcomp.training.init_state(tx, params, mesh,"
-          " axis_name)`, not `tx.init(params)`")
+          f" per-device state of {count} devices holds every device's block one after the"
+          f" other along the first dimension (a multiple of {count}): build it with"
+          " `jaxcomp.training.init_state(tx, params, mesh, axis_name)`, not"
+          " `tx.init(params)`")
 
 
-def local_state(opt_state: optax.OptState, device: int) -> optax.OptState:
-  """One device's state out of a stacked one (for inspection and tests)."""
-  return jax.tree.map(lambda x: x[device], opt_state)
+def _check_per_device(opt_state: optax.OptState, like: optax.OptState, count: int,
+                      what: str) -> None:
+  """A clear error for a state not laid out per device for ``count`` devices.
+
+  ``like``: one device's state (``jax.eval_shape`` of ``tx.init``).
+  """
+  _check_layout(opt_state, count, what)
+  leaves, treedef = jax.tree.flatten(opt_state)
+  like_leaves, like_treedef = jax.tree.flatten(like)
+  if treedef != like_treedef:
+    raise ValueError(
+        f"`{what}` has the structure {treedef}, but `tx.init` gives {like_treedef}: build it"
+        " with `jaxcomp.training.init_state(tx, params, mesh, axis_name)` for this `tx`")
+  paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(opt_state)]
+  for path, leaf, local in zip(paths, leaves, like_leaves):
+    want = per_device_shape(jnp.shape(local), count)
+    if tuple(jnp.shape(leaf)) != want:
+      raise ValueError(
+          f"`{what}` leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, but the"
+          f" per-device state of {count} devices has {want} (each device's"
+          f" {tuple(jnp.shape(local))} one after the other): build it with"
+          " `jaxcomp.training.init_state(tx, params, mesh, axis_name)`, not"
+          " `tx.init(params)`")
+
+
+def device_rows(opt_state: optax.OptState, like: optax.OptState) -> optax.OptState:
+  """A per-device state with every device's state on a row of a new leading axis.
+
+  For inspection and tests: leaf ``[devices, *shape]`` where ``like`` (one
+  device's state or its shapes, e.g. ``jax.eval_shape(tx.init, params)``)
+  has ``shape``; row ``d`` is device ``d``'s state.
+  """
+  pairs = zip(jax.tree.leaves(opt_state), jax.tree.leaves(like))
+  counts = [jnp.shape(x)[0] // (jnp.shape(l)[0] if jnp.ndim(l) else 1)
+            for x, l in pairs if jnp.ndim(l) == 0 or jnp.shape(l)[0]]
+  count = counts[0] if counts else 1
+  return jax.tree.map(lambda x, l: jnp.reshape(x, (count,) + tuple(jnp.shape(l))),
+                      opt_state, like)
+
+
+def local_state(opt_state: optax.OptState, device: int, like: optax.OptState) -> optax.OptState:
+  """Device ``device``'s state out of a per-device one (see :func:`device_rows`)."""
+  return jax.tree.map(lambda x: x[device], device_rows(opt_state, like))
+
+
+def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """``jax.ShapeDtypeStruct`` leaves of ``tree`` (for ``jax.eval_shape`` of ``tx.init``)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 class _UpdateResult(tuple):
   """``(updates, opt_state)`` whose leaves flatten state first.
 
   ``jit`` hands a donated input's buffer to the first output of the same
-  shape. The stacked updates are shaped like the stacked residuals and come
-  first in ``(updates, opt_state)``, so each residual's buffer went to an
-  update, and every residual was written to a new buffer and copied back: two
-  passes over ``n`` a step. Flattened state first, each residual is updated
-  in its own buffer.
+  shape and dtype. An update shaped like a state leaf (a scalar's ``[devices]``,
+  or any leaf's on a mesh of one device) would come first in
+  ``(updates, opt_state)`` and take that leaf's buffer; the new state would be
+  written elsewhere and copied back. Flattened state first, each state leaf
+  is updated in its own buffer.
   """
 
 
@@ -177,7 +275,8 @@ def make_update(
   """``tx.update`` alone, jitted over ``mesh``: ``update(grads, opt_state)``.
 
   For looking at a compressor without a model (tests, benchmarks): every
-  device runs ``tx.update`` on its own row of the stacked gradients and state.
+  device runs ``tx.update`` on its own row of the stacked gradients and on
+  its own block of the per-device state.
 
   Args:
     tx: a compressor, or a chain that needs no ``params``.
@@ -189,16 +288,21 @@ def make_update(
       as inside :func:`make_step`).
 
   Returns:
-    ``update(grads, opt_state) -> (updates, opt_state)``: arguments and
-    results stacked per device (``[devices, ...]``, see
-    :func:`stack_per_device` and :func:`init_state`); each row of ``updates``
-    is that device's result.
+    ``update(grads, opt_state) -> (updates, opt_state)``: ``grads`` and
+    ``updates`` stacked per device (``[devices, ...]``, see
+    :func:`stack_per_device`), each row of ``updates`` that device's result;
+    ``opt_state`` laid out per device by :func:`init_state`.
   """
   spec = _spec(axis_name)
 
-  def per_device(grads, stacked_state):
-    grads, state = jax.tree.map(lambda x: x[0], (grads, stacked_state))
-    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tx.update(grads, state))
+  def per_device(grads, blocks):
+    grads = jax.tree.map(lambda x: x[0], grads)
+    like = jax.eval_shape(tx.init, grads)
+    # Gradients unlike the state's parameters: the blocks go in as they are,
+    # for the transformation to name the mismatch (`updates`).
+    state = (blocks_to_local(blocks, like) if _is_blocks_of(blocks, like) else blocks)
+    updates, state = tx.update(grads, state)
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), updates), local_to_blocks(state)
 
   body = per_device if wrap is None else wrap(per_device)
   # check_vma=False: see make_step.
@@ -207,7 +311,7 @@ def make_update(
   count = num_replicas(mesh, axis_name)
 
   def update(grads, opt_state):
-    _check_stacked(opt_state, count, "opt_state")
+    _check_layout(opt_state, count, "opt_state")
     return _UpdateResult(sharded(grads, opt_state))
 
   return jax.jit(update, donate_argnums=(1,) if donate else ())
@@ -265,7 +369,7 @@ def make_step(
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` with
-    ``params`` replicated, ``opt_state`` stacked per device (see
+    ``params`` replicated, ``opt_state`` laid out per device (see
     :func:`init_state`), ``batch`` sharded on its leading axis (see
     :func:`shard`), and ``metrics`` holding per-device ``loss`` and ``finite``
     with a leading device axis (no collective is spent on them).
@@ -273,11 +377,11 @@ def make_step(
   spec = _spec(axis_name)
   body = _guarded_update(tx, loss_fn, has_aux, skip_nonfinite)
 
-  def per_device(params, stacked_state, batch):
-    state = jax.tree.map(lambda x: x[0], stacked_state)
+  def per_device(params, blocks, batch):
+    state = blocks_to_local(blocks, jax.eval_shape(tx.init, params))
     params, state, metrics = body(params, state, batch)
     add_axis = lambda x: jnp.expand_dims(x, 0)
-    return params, jax.tree.map(add_axis, state), jax.tree.map(add_axis, metrics)
+    return params, local_to_blocks(state), jax.tree.map(add_axis, metrics)
 
   sharded = jax.shard_map(
       per_device,
@@ -292,7 +396,8 @@ def make_step(
   count = num_replicas(mesh, axis_name)
 
   def step(params, opt_state, batch):
-    _check_stacked(opt_state, count, "opt_state")
+    _check_per_device(opt_state, jax.eval_shape(tx.init, _abstract(params)), count,
+                      "opt_state")
     return sharded(params, opt_state, batch)
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
@@ -370,10 +475,10 @@ def check_replicas(tree: chex.ArrayTree, what: str = "tree") -> None:
         raise ValueError(
             f"{what}{jax.tree_util.keystr(path)} is held replicated, but its copy on"
             f" {other.device} differs from the one on {shards[0].device}: per-device"
-            " state (a compressor's residuals, momenta, keys) must keep a leading device"
-            " axis sharded over the data axes (training.init_state and"
-            " in_specs=P(axis) in shard_map, or jaxcomp.nnx.per_device for Flax NNX),"
-            " not in_specs=P() with check_vma=False")
+            " state (a compressor's residuals, momenta, keys) must be held per device,"
+            " sharded over the data axes (training.init_state and in_specs=P(axis) in"
+            " shard_map, or jaxcomp.nnx.per_device for Flax NNX), not in_specs=P() with"
+            " check_vma=False")
 
 
 # ------------------------------------------------------------------------ FSDP
@@ -405,7 +510,7 @@ def init_fsdp_state(
     tx: optax.GradientTransformation, params: optax.Params, mesh: Mesh,
     slow_axis: str, fast_axis: str,
 ) -> optax.OptState:
-  """``tx.init`` of one device's shard of ``params``, stacked over both axes.
+  """``tx.init`` of one device's shard of ``params``, laid out per device over both axes.
 
   Built outside the mesh from the shard shapes: each device then updates the
   state of its own row blocks (residuals, momenta sized to the shard).
@@ -413,7 +518,7 @@ def init_fsdp_state(
   shards = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                         hierarchy.shard_shapes(params, mesh.shape[fast_axis]))
   registry.check_chain(tx, shards)
-  return stack_per_device(tx.init(shards), mesh, (slow_axis, fast_axis))
+  return tile_per_device(tx.init(shards), mesh, (slow_axis, fast_axis))
 
 
 def make_fsdp_step(
@@ -461,9 +566,10 @@ def make_fsdp_step(
   axes = (slow_axis, fast_axis)
   whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
   size = mesh.shape[fast_axis]
+  shard_like = jax.eval_shape(tx.init, hierarchy.shard_shapes(whole, size))
 
-  def per_device(shard, stacked_state, batch):
-    state = jax.tree.map(lambda x: x[0], stacked_state)
+  def per_device(shard, blocks, batch):
+    state = blocks_to_local(blocks, shard_like)
 
     def local_loss(shard):
       blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
@@ -481,7 +587,7 @@ def make_fsdp_step(
       new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
     add_axis = lambda x: jnp.expand_dims(x, 0)
     metrics = {"loss": loss, "finite": finite}
-    return new_shard, jax.tree.map(add_axis, new_state), jax.tree.map(add_axis, metrics)
+    return new_shard, local_to_blocks(new_state), jax.tree.map(add_axis, metrics)
 
   spec = PartitionSpec(axes)
   sharded = jax.shard_map(
@@ -490,7 +596,7 @@ def make_fsdp_step(
   count = num_replicas(mesh, axes)
 
   def step(params, opt_state, batch):
-    _check_stacked(opt_state, count, "opt_state")
+    _check_per_device(opt_state, shard_like, count, "opt_state")
     return sharded(params, opt_state, batch)
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
@@ -533,13 +639,21 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
+def _num_blocks(opt_state: optax.OptState) -> int:
+  """The devices a per-device state is laid out for (0 for a state with nothing to hold)."""
+  for x in jax.tree.leaves(opt_state):
+    if math.prod(x.shape):
+      return x.shape[0] // x.sharding.shard_shape(x.shape)[0]
+  return 0
+
+
 def save_checkpoint(
     directory: Union[str, os.PathLike],
     params: optax.Params,
     opt_state: optax.OptState,
     step: int = 0,
 ) -> None:
-  """Writes parameters, the stacked per-device optimizer state and ``step`` with orbax.
+  """Writes parameters, the per-device optimizer state and ``step`` with orbax.
 
   Blocks until the checkpoint is on disk, so that the step may donate the
   buffers right after. Parameters are identical on every device and are
@@ -550,13 +664,12 @@ def save_checkpoint(
   Args:
     directory: a new directory (an existing one is an error, as in orbax).
     params: replicated parameters (see :func:`replicate`).
-    opt_state: the stacked state of :func:`init_state` and the step.
+    opt_state: the per-device state of :func:`init_state` and the step.
     step: the number of steps taken, returned by :func:`restore_checkpoint`.
   """
   check_replicas(params, "params")
   check_replicas(opt_state, "opt_state")
-  leaves = jax.tree.leaves(opt_state)
-  replicas = int(leaves[0].shape[0]) if leaves else 0
+  replicas = _num_blocks(opt_state)
   checkpointer = _checkpointer()
   checkpointer.save(
       os.fspath(os.path.abspath(directory)),
@@ -591,7 +704,7 @@ def restore_checkpoint(
 
   Returns:
     ``(params, opt_state, step)``: parameters laid out by ``params_spec`` and
-    the state stacked per device and sharded over ``axis_name``, as
+    the state laid out per device and sharded over ``axis_name``, as
     :func:`make_step` (or :func:`make_fsdp_step`) takes them.
 
   Raises:
@@ -771,7 +884,7 @@ def compile_batch_sizes(
   Args:
     step: a step of :func:`make_step` (or :func:`make_fsdp_step`).
     params: the parameters as the step takes them (only shapes are read).
-    opt_state: the stacked state as the step takes it (only shapes are read).
+    opt_state: the per-device state as the step takes it (only shapes are read).
     example_batch: a batch of any size: every leaf's leading axis is the
       examples' axis, replaced by each size of the schedule.
     schedule: the sizes (:func:`batch_size_schedule`).

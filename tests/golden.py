@@ -85,12 +85,14 @@ def run(name: str, mesh_name: str) -> list[list[str]]:
       lambda s: jnp.zeros(s, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple))
   state = training.init_state(tx, params, mesh, axis)
   update = training.make_update(tx, mesh, axis)
+  like = jax.eval_shape(tx.init, params)
   devices = training.num_replicas(mesh, axis)
   digests = []
   for step in range(STEPS):
     grads = training.shard(_gradients(step, devices), mesh, axis)
     out, state = jax.block_until_ready(update(grads, state))
-    digests.append([_digest(out), _digest(state)])
+    # Each device's state on its own row: the layout the digests were recorded in.
+    digests.append([_digest(out), _digest(training.device_rows(state, like))])
   return digests
 
 

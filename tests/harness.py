@@ -40,12 +40,16 @@ def step_fn(tx, mesh, axis="data", max_traces=None):
 
 
 def run_two_steps(make_tx, params, mesh_shape, axis_names):
-  """Two steps of ``make_tx(axis)`` on a mesh; everything the tests read, compiled once."""
+  """Two steps of ``make_tx(axis)`` on a mesh; everything the tests read, compiled once.
+
+  ``states`` as the steps take them, ``rows`` the same with each device's
+  state on its own row (:func:`jaxcomp.training.device_rows`).
+  """
   axis = axis_of(axis_names)
   mesh = training.make_mesh(mesh_shape, axis_names)
   tx = make_tx(axis)
   fn = step_fn(tx, mesh, axis)
-  states = [training.stack_per_device(tx.init(params), mesh, axis)]
+  states = [training.init_state(tx, params, mesh, axis)]
   grads = [training.shard(per_device_normal(params, s), mesh, axis) for s in (1, 2)]
   compiled = fn.lower(grads[0], states[0]).compile()
   outs = []
@@ -53,8 +57,9 @@ def run_two_steps(make_tx, params, mesh_shape, axis_names):
     out, state = jax.block_until_ready(fn(g, states[-1]))
     outs.append(out)
     states.append(state)
-  return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled,
-              grads=grads, states=states, outs=outs)
+  like = jax.eval_shape(tx.init, params)
+  return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled, grads=grads,
+              states=states, rows=[training.device_rows(s, like) for s in states], outs=outs)
 
 
 def two_step_runs(factories, params, meshes):

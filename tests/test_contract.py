@@ -332,7 +332,7 @@ def test_a_state_without_its_device_axis_names_the_helper():
   tx = optax.chain(jaxcomp.topk(0.5, "data"), optax.sgd(0.1))
   mesh = training.make_mesh(8)
   step = training.make_step(_loss_fn, tx, mesh, "data")
-  with pytest.raises(ValueError, match=r"leading device axis of 8.*init_state"):
+  with pytest.raises(ValueError, match=r"per-device state of 8 devices.*init_state"):
     step(training.replicate(PARAMS, mesh), tx.init(PARAMS),
          training.shard(_per_device_normal(4, devices=16), mesh, "data"))
 

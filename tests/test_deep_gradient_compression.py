@@ -197,6 +197,11 @@ def test_full_density_equals_allreduce(mesh8):
     chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
 
 
+def _rows(tx, state):
+  """``state`` with each device's on its own row (``training.device_rows``)."""
+  return training.device_rows(state, jax.eval_shape(tx.init, params_like()))
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_matches_numpy_over_three_steps(nesterov, mesh8):
   """Momentum correction, clipping, masking: all against the numpy spec."""
@@ -213,9 +218,10 @@ def test_matches_numpy_over_three_steps(nesterov, mesh8):
                            nesterov=nesterov, clip=20.0)
     harness.assert_same_on_devices(out)
     np.testing.assert_allclose(harness.flat(out, 0), want, rtol=1e-5, atol=1e-5)
+    rows = _rows(tx, state)
     for d in range(8):
-      np.testing.assert_allclose(harness.flat(state.residual, d), ref[d][0], rtol=1e-5, atol=1e-5)
-      np.testing.assert_allclose(harness.flat(state.momentum, d), ref[d][1], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(harness.flat(rows.residual, d), ref[d][0], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(harness.flat(rows.momentum, d), ref[d][1], rtol=1e-5, atol=1e-5)
 
 
 def test_momentum_correction_accumulates_velocity(mesh8):
@@ -227,7 +233,8 @@ def test_momentum_correction_accumulates_velocity(mesh8):
   for _ in range(2):
     _, state = step(grads, state)
   sparse = lambda t: np.concatenate([harness.flat(t, 4)[s] for s in SPARSE.values()])
-  g, e, u = sparse(grads), sparse(state.residual), sparse(state.momentum)
+  rows = _rows(tx, state)
+  g, e, u = sparse(grads), sparse(rows.residual), sparse(rows.momentum)
   k = math.ceil(0.01 * N_SPARSE)
   first = harness.np_topk(g, k)
   unsent = np.ones(N_SPARSE, bool)
@@ -245,10 +252,11 @@ def test_masking_zeroes_velocity_and_momentum_where_sent(mesh8):
   state = training.init_state(tx, params_like(), mesh8, "data")
   grads = device_grads(8, seed=4)
   _, state = harness.step_fn(tx, mesh8)(grads, state)
+  rows = _rows(tx, state)
   for d in (0, 5):
     g = np.concatenate([harness.flat(grads, d)[s] for s in SPARSE.values()])
-    e = np.concatenate([harness.flat(state.residual, d)[s] for s in SPARSE.values()])
-    u = np.concatenate([harness.flat(state.momentum, d)[s] for s in SPARSE.values()])
+    e = np.concatenate([harness.flat(rows.residual, d)[s] for s in SPARSE.values()])
+    u = np.concatenate([harness.flat(rows.momentum, d)[s] for s in SPARSE.values()])
     sent = harness.np_topk(g, k)
     assert not np.any(u[sent]) and not np.any(e[sent])
     rest = np.setdiff1d(np.arange(N_SPARSE), sent)
@@ -264,9 +272,10 @@ def test_clipping_bounds_each_device_norm(mesh8):
   state = training.init_state(tx, params_like(), mesh8, "data")
   grads = device_grads(8, seed=6, scale=100.0)
   out, state = harness.step_fn(tx, mesh8)(grads, state)
+  rows = _rows(tx, state)
   for d in range(8):
     g = harness.flat(grads, d)
-    velocity = harness.flat(state.residual, d)
+    velocity = harness.flat(rows.residual, d)
     sent = velocity == 0
     velocity[sent] = g[sent] * clip / math.sqrt(8) / np.linalg.norm(g)
     # The velocity is the clipped gradient: its norm is clip / sqrt(P).
@@ -310,7 +319,8 @@ def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
     grads = device_grads(8, seed=10 + t)
     out, state = jax.block_until_ready(step(grads, state))
     # Momentum 0: the momentum is the gradient, zeroed exactly where sent.
-    u = np.stack([np.concatenate([harness.flat(state.momentum, d)[s] for s in SPARSE.values()])
+    momentum = _rows(tx, state).momentum
+    u = np.stack([np.concatenate([harness.flat(momentum, d)[s] for s in SPARSE.values()])
                   for d in range(8)])
     sent_counts.append(set(np.sum(u == 0, axis=1).tolist()))
     sparse_out = np.concatenate([harness.flat(out, 0)[s] for s in SPARSE.values()])
@@ -321,7 +331,7 @@ def test_warmup_sends_the_scheduled_k_without_recompiling(mesh8):
   # The mean holds the union of the devices' k entries: at least k, at most 8 k.
   assert all(k <= c <= 8 * k for k, c in zip(want, out_counts))
   assert out_counts[0] > out_counts[2] > out_counts[-1]
-  np.testing.assert_array_equal(np.asarray(state.count), np.full(8, 10))
+  np.testing.assert_array_equal(np.asarray(_rows(tx, state).count), np.full(8, 10))
 
 
 def test_sampled_threshold_selects_within_capacity(mesh8):
@@ -333,9 +343,10 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
   grads = {"big": jax.random.normal(jax.random.key(8), (8, 256, 256))}
   out, state = harness.step_fn(tx, mesh8)(grads, state)
   harness.assert_same_on_devices(out)
+  rows = training.device_rows(state, jax.eval_shape(tx.init, params))
   for d in (0, 7):
     g = np.asarray(grads["big"][d]).reshape(-1)
-    sent = np.asarray(state.momentum["big"][d]).reshape(-1) == 0
+    sent = np.asarray(rows.momentum["big"][d]).reshape(-1) == 0
     assert sent.sum() == k
     np.testing.assert_array_equal(np.sort(np.nonzero(sent)[0]), np.sort(harness.np_topk(g, k)))
   assert wire.expected_bytes(tx, params, 8).total == 7 * 8 * k

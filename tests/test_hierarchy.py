@@ -74,9 +74,10 @@ def test_state_is_sized_to_the_shard(name):
   if not jax.tree.leaves(residual):
     return
   # Rows of each leaf's matrix view, cut into 4 blocks: conv (36, 8) -> (9, 8),
-  # w (18, 12) -> (5, 12) (padded), b (10,) -> (3,), a scalar -> (1,).
-  shapes = {k: v.shape[1:] for k, v in residual.items()}
-  assert shapes == {"conv": (9, 8), "w": (5, 12), "b": (3,), "s": (1,)}
+  # w (18, 12) -> (5, 12) (padded), b (10,) -> (3,), a scalar -> (1,); the
+  # 8 devices' blocks one after the other.
+  shapes = {k: v.shape for k, v in residual.items()}
+  assert shapes == {"conv": (72, 8), "w": (40, 12), "b": (24,), "s": (8,)}
 
 
 @pytest.mark.parametrize("name", registry.names())

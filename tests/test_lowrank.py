@@ -82,7 +82,7 @@ def _matrix(x):
 @pytest.mark.parametrize("name", FACTORIES)
 def test_factors_identical_on_every_device(name, mesh_name):
   """The carried factors agree across devices (the mean's agreement is the contract suite's)."""
-  state = _run(name, mesh_name)["states"][-1]
+  state = _run(name, mesh_name)["rows"][-1]
   for factor in (state.q,) + ((state.p,) if name == "acpsgd" else ()):
     factor = np.asarray(factor)
     np.testing.assert_array_equal(factor, np.broadcast_to(factor[:1], factor.shape))
@@ -96,7 +96,7 @@ def test_factors_identical_on_every_device(name, mesh_name):
 def test_compiled_bytes_on_smaller_rings(name, devices):
   mesh = training.make_mesh(devices)
   tx = FACTORIES[name]("data")
-  state = training.stack_per_device(tx.init(PARAMS), mesh, "data")
+  state = training.init_state(tx, PARAMS, mesh, "data")
   grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
   compiled = harness.step_fn(tx, mesh, "data").lower(grads, state).compile()
   assert wire.collective_bytes(compiled).by_kind == (
@@ -173,8 +173,8 @@ def test_columns_pad_and_round_trip(factor):
 
 def test_powersgd_matches_numpy_oracle():
   run = _run("powersgd", "1d")
-  grads, state0 = _np(run["grads"][0]), run["states"][0]
-  out, state1 = run["outs"][0], run["states"][1]
+  grads, state0 = _np(run["grads"][0]), run["rows"][0]
+  out, state1 = run["outs"][0], run["rows"][1]
   for path in COMPRESSED:
     m = [_matrix(_leaf(grads, path)[i]) for i in range(8)]
     q = _factor(np.asarray(state0.q[0]), path, "q")
@@ -197,7 +197,7 @@ def test_powersgd_matches_numpy_oracle():
 
 def test_acpsgd_matches_numpy_oracle_and_alternates():
   run = _run("acpsgd", "1d")
-  states, outs = run["states"], run["outs"]
+  states, outs = run["rows"], run["outs"]
   np.testing.assert_array_equal(states[1].q, states[0].q)  # step 0 sent P
   assert not np.array_equal(states[1].p, states[0].p)
   np.testing.assert_array_equal(states[2].p, states[1].p)  # step 1 sent Q
@@ -233,7 +233,7 @@ def test_acpsgd_matches_numpy_oracle_and_alternates():
 def test_mass_conservation(name):
   run = _run(name, "1d")
   for step in (0, 1):
-    before, after = run["states"][step].residual, run["states"][step + 1].residual
+    before, after = run["rows"][step].residual, run["rows"][step + 1].residual
     corrected = jax.tree.map(lambda g, e: np.mean(np.asarray(g, np.float64) + e, axis=0),
                              run["grads"][step], _np(before))
     kept = jax.tree.map(lambda o, e: np.asarray(o[0], np.float64) + np.mean(e, axis=0),

@@ -216,8 +216,8 @@ def _program_and_formula(row, size=4096):
   shapes = workload.gradient_shapes("resnet50", size)
   tx = workload.build(row, shape)
   grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct((4, *s.shape), s.dtype), shapes)
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype),
-                       jax.eval_shape(tx.init, shapes))
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(training.per_device_shape(x.shape, 4),
+                                                    x.dtype), jax.eval_shape(tx.init, shapes))
   compiled = training.make_update(tx, mesh, workload.MESH_AXES).lower(grads, state).compile()
   return (wire.collective_bytes(compiled, mesh_shape=shape).by_axes,
           wire.expected_bytes(tx, shapes, shape).by_axes)

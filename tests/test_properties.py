@@ -118,8 +118,11 @@ def test_topk_every_coordinate_is_sent_or_kept(shape, density, seed):
   rng = np.random.default_rng(seed)
   grads = {"g": rng.normal(size=(8,) + shape).astype(np.float32)}
   old = {"g": rng.normal(size=(8,) + shape).astype(np.float32)}
-  state = sparsify.TopKState(count=jnp.zeros(8, jnp.int32), residual=old)
+  # The per-device layout: the devices' residuals one after the other.
+  state = sparsify.TopKState(count=jnp.zeros(8, jnp.int32),
+                             residual={"g": old["g"].reshape((-1,) + shape[1:])})
   _, new_state = _update_fn(tx, shape)(grads, state)
+  new_state = training.device_rows(new_state, jax.eval_shape(tx.init, {"g": grads["g"][0]}))
   n = int(np.prod(shape))
   k = max(1, int(np.ceil(density * n)))
   for device in range(8):

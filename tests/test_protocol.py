@@ -47,12 +47,13 @@ def test_a_new_method_gets_the_whole_path_from_one_step_function():
   update = training.make_update(tx, mesh, "data")
   grads = _stacked(0)
   out, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+  rows = training.device_rows(state, jax.eval_shape(tx.init, PARAMS))
   for name in PARAMS:  # half of the mean, the other half kept per device
     np.testing.assert_allclose(np.asarray(out[name]),
                                np.broadcast_to(grads[name].mean(0) / 2, grads[name].shape),
                                rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(state.residual[name]), grads[name] / 2, rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(state.count), np.ones(8))
+    np.testing.assert_allclose(np.asarray(rows.residual[name]), grads[name] / 2, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(rows.count), np.ones(8))
   bad = _stacked(1)
   bad["w"][5, 0, 0] = np.nan
   before = jax.tree.map(np.asarray, state)

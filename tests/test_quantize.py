@@ -91,7 +91,7 @@ def test_one_allgather_of_the_packed_signs_and_the_scale(name, mesh_name):
 def test_compiled_bytes_on_smaller_rings(devices):
   mesh = training.make_mesh(devices)
   tx = quantize.signsgd("data")
-  state = training.stack_per_device(tx.init(PARAMS), mesh, "data")
+  state = training.init_state(tx, PARAMS, mesh, "data")
   grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
   compiled = harness.step_fn(tx, mesh, "data").lower(grads, state).compile()
   got = wire.collective_bytes(compiled)
@@ -111,7 +111,7 @@ def test_matches_numpy_oracle(name):
     mean, residual = _signsgd_reference(corrected, name == "majority")
     np.testing.assert_allclose(_flat(run["outs"][step])[0], mean, rtol=1e-6, atol=1e-7)
     if name != "plain":
-      np.testing.assert_allclose(_flat(run["states"][step + 1].residual), residual,
+      np.testing.assert_allclose(_flat(run["rows"][step + 1].residual), residual,
                                  rtol=1e-5, atol=1e-6)
 
 
@@ -135,8 +135,8 @@ def test_majority_vote_ties_and_zeros():
 def test_mass_conservation():
   run = _run("ef", "1d")
   for step in (0, 1):
-    corrected = _flat(run["grads"][step]) + _flat(run["states"][step].residual)
-    kept = _flat(run["outs"][step])[0] + _flat(run["states"][step + 1].residual).mean(axis=0)
+    corrected = _flat(run["grads"][step]) + _flat(run["rows"][step].residual)
+    kept = _flat(run["outs"][step])[0] + _flat(run["rows"][step + 1].residual).mean(axis=0)
     np.testing.assert_allclose(kept, corrected.mean(axis=0), rtol=1e-5, atol=1e-6)
 
 

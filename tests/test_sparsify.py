@@ -154,7 +154,8 @@ def test_topk_matches_numpy_over_two_steps(mesh8):
     harness.assert_bitwise_equal(harness.flat(out, 0), mean)
     for d in range(8):
       # Mass conservation, bit for bit: the residual is c where not sent, 0 where sent.
-      np.testing.assert_array_equal(harness.flat(state.residual, d), residuals[d])
+      kept = training.device_rows(state.residual, params_like())
+      np.testing.assert_array_equal(harness.flat(kept, d), residuals[d])
 
 
 def test_topk_without_error_feedback_keeps_no_residual(mesh8):
@@ -192,7 +193,8 @@ def test_gtopk_matches_butterfly_oracle(num):
     c = harness.flat(grads, d)
     expect = c.copy()
     expect[sorted(local[d] & merged)] = 0
-    np.testing.assert_array_equal(harness.flat(new.residual, d), expect)
+    kept = training.device_rows(new.residual, params_like())
+    np.testing.assert_array_equal(harness.flat(kept, d), expect)
 
 
 def test_randomk_matches_numpy_and_splits_key(mesh8):
@@ -219,10 +221,11 @@ def test_randomk_matches_numpy_and_splits_key(mesh8):
       r = c.copy()
       r[idx] = 0
       residuals.append(r)
+    rows = training.device_rows(state, jax.eval_shape(tx.init, params_like()))
     for d in range(8):
-      np.testing.assert_array_equal(harness.flat(state.residual, d), residuals[d])
+      np.testing.assert_array_equal(harness.flat(rows.residual, d), residuals[d])
     np.testing.assert_array_equal(
-        np.asarray(state.rng_key[3]), np.asarray(jax.random.key_data(key)))
+        np.asarray(rows.rng_key[3]), np.asarray(jax.random.key_data(key)))
   assert len(chosen[0]) == k and chosen[0] != chosen[1]
 
 
@@ -254,9 +257,9 @@ def run_constant(tx, mesh, grads, steps):
       return jax.tree.map(jnp.add, total, out), s
 
     zero = jax.tree.map(jnp.zeros_like, g)
-    total, s = jax.lax.fori_loop(0, steps, body, (zero, first(state)))
-    add = lambda t: jax.tree.map(lambda x: x[None], t)
-    return add(total), add(s)
+    local = training.blocks_to_local(state, jax.eval_shape(tx.init, g))
+    total, s = jax.lax.fori_loop(0, steps, body, (zero, local))
+    return jax.tree.map(lambda x: x[None], total), training.local_to_blocks(s)
 
   spec = PartitionSpec("data")
   state = training.init_state(tx, jax.tree.map(lambda x: x[0], grads), mesh, "data")
@@ -279,7 +282,8 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
   grads = device_grads(8, seed=11, shapes={"g": shape})
   total, state = run_constant(COMPRESSORS[name](density, "data"), mesh, grads, steps)
   by_device = np.stack([harness.flat(grads, d) for d in range(8)])
-  residual = np.stack([harness.flat(state.residual, d) for d in range(8)])
+  kept = training.device_rows(state.residual, jax.tree.map(lambda x: x[0], grads))
+  residual = np.stack([harness.flat(kept, d) for d in range(8)])
   want = steps * by_device.mean(0) - residual.mean(0)
   np.testing.assert_allclose(harness.flat(total, 0), want, rtol=1e-4, atol=1e-4)
 
@@ -358,6 +362,7 @@ def test_pmap_gives_the_shard_map_result(mesh8):
   stacked = jax.tree.map(lambda x: np.broadcast_to(x, (8,) + x.shape), tx.init(params_like()))
   out, new = jax.pmap(tx.update, axis_name="data")(grads, stacked)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, want))
+  want_state = training.device_rows(want_state, jax.eval_shape(tx.init, params_like()))
   chex.assert_trees_all_equal(
       jax.tree.map(np.asarray, new), jax.tree.map(np.asarray, want_state))
 
@@ -369,10 +374,9 @@ def test_inside_multisteps(mesh8):
   state = training.init_state(tx, params, mesh8, "data")
 
   def per_device(grads, state):
-    first = lambda t: jax.tree.map(lambda x: x[0], t)
-    out, state = tx.update(first(grads), first(state), params)
-    add = lambda t: jax.tree.map(lambda x: x[None], t)
-    return add(out), add(state)
+    local = training.blocks_to_local(state, jax.eval_shape(tx.init, params))
+    out, state = tx.update(jax.tree.map(lambda x: x[0], grads), local, params)
+    return jax.tree.map(lambda x: x[None], out), training.local_to_blocks(state)
 
   spec = PartitionSpec("data")
   step = jax.jit(jax.shard_map(
@@ -404,7 +408,7 @@ def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
                           lambda backend=None, size=exact_min_size: selection.Tuning(
                               exact_min_size=size))
       tx = COMPRESSORS[name](0.01, "data")
-      state = training.stack_per_device(tx.init({"g": jnp.zeros(n)}), mesh8, "data")
+      state = training.init_state(tx, {"g": jnp.zeros(n)}, mesh8, "data")
       step = harness.step_fn(tx, mesh8)
       programs.append(step.lower(grads[0], state).as_text())
       for g in grads:

@@ -41,6 +41,7 @@ def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
            "b": rng.normal(size=(8, 5)).astype(np.float32)}
   out, new_state = jax.block_until_ready(training.make_update(tx, mesh, "data")(
       training.shard(grads, mesh, "data"), state))
+  new_state = training.device_rows(new_state, jax.eval_shape(tx.init, PARAMS))
   n, block = 53, 7  # a bucket is at most a device's chunk: ceil(53 / 8) entries
   chunk = 7
   chunk_sums = np.zeros((8, chunk), np.float32)

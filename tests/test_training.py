@@ -126,20 +126,21 @@ def test_steps_refuse_a_state_without_the_device_axis():
   tx = optax.chain(jaxcomp.topk(0.1, "data"), optax.sgd(0.1))
   step = training.make_step(loss_fn, tx, mesh, "data", donate=False)
   batch = training.shard(_batches(1)[0], mesh, "data")
-  with pytest.raises(ValueError, match="leading device axis of 8.*init_state"):
+  with pytest.raises(ValueError, match="per-device state of 8 devices.*init_state"):
     step(training.replicate(params, mesh), tx.init(params), batch)
   update = training.make_update(tx, mesh, "data")
   grads = jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), params)
-  with pytest.raises(ValueError, match="leading device axis of 8.*init_state"):
+  with pytest.raises(ValueError, match="per-device state of 8 devices.*init_state"):
     update(grads, tx.init(params))
   updates, _ = update(grads, training.init_state(tx, params, mesh, "data"))
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(updates))
 
 
 def test_a_donating_update_writes_each_state_leaf_over_its_own_buffer():
-  # jit hands a donated buffer to the first output of its shape: the stacked
-  # updates are shaped like the residuals, so they must not come first.
-  params = {"b": jnp.zeros(5), "w": jnp.zeros((4, 3))}
+  # jit hands a donated buffer to the first output of its shape: a scalar's
+  # stacked update is shaped like its per-device residual and the count,
+  # [devices], so the updates must not come first.
+  params = {"b": jnp.zeros(5), "s": jnp.zeros(()), "w": jnp.zeros((4, 3))}
   mesh = training.make_mesh(8)
   tx = jaxcomp.topk(0.5, "data")
   state = training.init_state(tx, params, mesh, "data")
@@ -228,7 +229,7 @@ def test_fsdp_with_every_compressor_on_the_slow_axis(name):
   assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
   # The state is the shard's: the 10 x 6 kernel in 4 row blocks of 3.
   if jax.tree.leaves(getattr(state[0], "residual", ())):
-    assert state[0].residual["w"].shape == (8, 3, 6)
+    assert state[0].residual["w"].shape == (8 * 3, 6)
   # Both nodes hold the same row block on the same fast-axis position.
   for leaf in jax.tree.leaves(shard):
     blocks = {}

@@ -54,15 +54,25 @@ AXIS = "data"
 
 def _stacked(tree, mesh):
   """This process's arrays as the local row of ``[P, ...]`` arrays sharded over ``mesh``."""
+  return _global(jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree), mesh)
+
+
+def _per_device(state, mesh):
+  """This process's state as its block of the per-device layout (``training.init_state``'s)."""
+  return _global(training.local_to_blocks(state), mesh)
+
+
+def _global(blocks, mesh):
+  """Global arrays sharded over ``mesh`` on their first dimension, this process's block given."""
   sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
   count = mesh.devices.size
   device = jax.local_devices()[0]
 
   def one(x):
-    local = jax.device_put(jnp.expand_dims(x, 0), device)
-    return jax.make_array_from_single_device_arrays((count,) + x.shape, sharding, [local])
+    return jax.make_array_from_single_device_arrays(
+        (count * x.shape[0],) + x.shape[1:], sharding, [jax.device_put(x, device)])
 
-  return jax.tree.map(one, tree)
+  return jax.tree.map(one, blocks)
 
 
 def _timed(step, grads, state, barrier, count):
@@ -103,7 +113,7 @@ def run(spec: dict) -> dict:
   tx = workload.build(spec["method"], spec["mesh_shape"])
 
   global_grads = _stacked(grads, mesh)
-  state = _stacked(tx.init(grads), mesh)
+  state = _per_device(tx.init(grads), mesh)
   start = time.perf_counter()
   step = training.make_update(tx, mesh, axes, donate=True).lower(global_grads, state).compile()
   compile_s = time.perf_counter() - start
@@ -150,7 +160,7 @@ def _compute_alone(tx, grads, barrier, count: int) -> list[float]:
   """Seconds of ``count`` steps of the update on a mesh of this device alone (no network)."""
   alone = Mesh(np.array(jax.local_devices()[:1]), (AXIS,))
   local_grads = _stacked(grads, alone)
-  local_state = _stacked(tx.init(grads), alone)
+  local_state = _per_device(tx.init(grads), alone)
   local_step = training.make_update(tx, alone, AXIS, donate=True).lower(
       local_grads, local_state).compile()
   _, _, local_state = _timed(local_step, local_grads, local_state, barrier, 1)
