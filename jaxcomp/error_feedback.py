@@ -38,9 +38,14 @@ def compensate(bucket: fusion.Bucket, updates: optax.Updates, residual: optax.Pa
   """``f32[bucket.size]``: the bucket's gradients plus their residual."""
   # Summed leaf by leaf, then concatenated once: the same sums, without two
   # concatenated n-sized buffers beside the result.
+  return fusion.concat([c.reshape(-1) for c in compensated_leaves(bucket, updates, residual)])
+
+
+def compensated_leaves(bucket: fusion.Bucket, updates: optax.Updates,
+                       residual: optax.Params) -> list[jax.Array]:
+  """The bucket's leaves of ``g + e``, f32, each in its leaf's shape (the same sums)."""
   leaves, residuals = jax.tree.leaves(updates), jax.tree.leaves(residual)
-  return fusion.concat([leaves[i].reshape(-1).astype(jnp.float32) + residuals[i].reshape(-1)
-                        for i in bucket.leaves])
+  return [leaves[i].astype(jnp.float32) + residuals[i] for i in bucket.leaves]
 
 
 def sent_mask(n: int, indices: jax.Array) -> jax.Array:
@@ -53,14 +58,17 @@ def zero_sent(sent: Sequence[jax.Array], parts: Sequence[jax.Array]) -> list[jax
   return [jnp.where(m.reshape(x.shape), jnp.zeros((), x.dtype), x) for m, x in zip(sent, parts)]
 
 
-def zeroed(bucket: fusion.Bucket, corrected: jax.Array, indices: jax.Array) -> list[jax.Array]:
-  """The leaves of ``corrected`` (``f32[bucket.size]``) with the entries at ``indices`` set to 0.
+def zeroed(bucket: fusion.Bucket, corrected: Sequence[jax.Array],
+           indices: jax.Array) -> list[jax.Array]:
+  """``corrected``, the bucket's leaves of ``c``, with the entries at ``indices`` set to 0.
 
   What a sparsifier keeps, ``e' = c`` but 0 where it sent exactly. Built leaf
   by leaf through an ``n``-byte mask (``EMPTY_INDEX`` slots dropped), so the
-  ``n``-sized ``c`` is neither copied nor scattered into.
+  ``n``-sized ``c`` is neither copied nor scattered into. Given in the
+  leaves' shapes (:func:`compensated_leaves`), each new residual reads its
+  old one element by element, and XLA updates it in place.
   """
-  return zero_sent(bucket.split(sent_mask(bucket.size, indices)), bucket.split(corrected))
+  return zero_sent(bucket.split(sent_mask(bucket.size, indices)), corrected)
 
 
 Kept = Union[jax.Array, Sequence[Optional[jax.Array]]]

@@ -307,7 +307,12 @@ def compressor(method: Method) -> optax.GradientTransformation:
     if method.error_feedback:
       kept = out.residual
       if isinstance(kept, Zeroed):
-        kept = error_feedback.zeroed(bucket, corrected, kept.indices)
+        # Recomputed leaf by leaf from the leaves (the same sums as ``corrected``):
+        # a slice of the fused ``corrected`` reshaped into a leaf blocks XLA's
+        # in-place update of the residual.
+        leaves = (error_feedback.compensated_leaves(bucket, updates, state.residual)
+                  if method.prepare is None else bucket.split(corrected))
+        kept = error_feedback.zeroed(bucket, leaves, kept.indices)
       new["residual"] = error_feedback.absorb(bucket, kept, state.residual)
     new_state = state._replace(**new)
     if method.propagates_nonfinite:
