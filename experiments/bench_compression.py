@@ -2,17 +2,19 @@
 
 On one process with a mesh of one device the collectives cost next to
 nothing, so the time of ``update`` (compress, reduce, decompress) is the
-compressor's compute (:func:`experiments.compute.time_update`). The rows are
-every method of :data:`jaxcomp.registry.METHODS` with its defaults (``--rank``
-and ``--density`` replace its own) and the :data:`VARIANTS`. Gradient shapes
-are generated (``experiments.shapes``): ResNet-50 and a 12-layer, width-768
-transformer. Each row is the median of ``--repeats`` timed steps after a
-warm-up step (the compile), the state fed back from step to step (ACP-SGD
-alternates its two halves); the ratio is to dense ``allreduce`` timed in the
-same run. Beside the milliseconds it prints what the compiled program does,
-which does not move with the machine (:mod:`experiments.hlo_counts`): the
-kernels a step launches and its passes over memory, the bytes its kernels
-read and write over those of one f32 copy of the gradient. The last column
+compressor's compute (:func:`experiments.compute.compile_update`). The rows
+are every method of :data:`jaxcomp.registry.METHODS` with its defaults
+(``--rank`` and ``--density`` replace its own) and the :data:`VARIANTS`.
+Gradient shapes are generated (``experiments.shapes``): ResNet-50 and a
+12-layer, width-768 transformer. Each row is the median of ``--repeats``
+rounds after a warm-up round; a round runs every compressor's step once, in
+an order rotated from round to round, the state fed back from step to step
+(ACP-SGD alternates its two halves); the ratio is to dense ``allreduce``'s
+median, so a change in the machine's load falls on both alike. Beside the
+milliseconds it prints what the compiled program does, which does not move
+with the machine (:mod:`experiments.hlo_counts`): the kernels a step
+launches and its passes over memory, the bytes its kernels read and write
+over those of one f32 copy of the gradient. The last column
 is the formula's bytes per device per step for ``--devices`` workers on a
 ring, for scale. ``--out`` writes the table as Markdown.
 
@@ -478,8 +480,10 @@ def run_single(args, argv, table: dict, log=print) -> str:
       f"Command: `python -m experiments.bench_compression {' '.join(argv)}`", "",
       f"Date {datetime.date.today().isoformat()}; jax {jax.__version__}, backend"
       f" {jax.default_backend()}, {_device_note()}. ms/step is the median of"
-      f" {args.repeats} steps after a warm-up step; x dense is the ratio to `allreduce` timed"
-      " in the same run; compile s is `lower(...).compile()`. **kernels** and **passes** are"
+      f" {args.repeats} rounds after a warm-up round; a round runs every compressor's step"
+      " once, each blocked before the next, in an order rotated from round to round, so"
+      " that a change in the machine's load falls on all alike; x dense is the ratio to"
+      " `allreduce`'s median; compile s is `lower(...).compile()`. **kernels** and **passes** are"
       " read from the compiled program (`experiments.hlo_counts`): the kernels a step"
       " launches (fusions, copies, sorts, collectives...; a loop body once, a conditional's"
       " lightest branch that does any work) and the bytes they read and write over 4n, the"
@@ -494,19 +498,22 @@ def run_single(args, argv, table: dict, log=print) -> str:
     n = shapes.num_params(grads)
     title = f"## {model}: {n:,} gradient elements"
     log(title)
-    lines, baseline = [], None
-    for label, factory in table.items():
-      tx = factory()
-      timing = compute.time_update(tx, grads, args.repeats)
-      counts = hlo_counts.count(timing.program, n)
-      baseline = timing.step_s if baseline is None and label == "allreduce" else baseline
+    txs = {label: factory() for label, factory in table.items()}
+    compiled = {label: compute.compile_update(tx, grads) for label, tx in txs.items()}
+    _, rounds = _rounds({label: c.step for label, c in compiled.items()}, args.repeats)
+    step_s = {label: statistics.median(times) for label, times in rounds.items()}
+    baseline = step_s.get("allreduce")
+    lines = []
+    for label, tx in txs.items():
+      counts = hlo_counts.count(compiled[label].program, n)
       mbytes = float(wire.expected_bytes(tx, grads, args.devices).total) / 1e6
-      cells = [label, f"{timing.step_s * 1e3:.1f}",
-               _ratio(timing.step_s / baseline if baseline else None),
-               f"{timing.compile_s:.1f}", f"{counts.kernels}", f"{counts.passes:.1f}",
+      cells = [label, f"{step_s[label] * 1e3:.1f}",
+               _ratio(step_s[label] / baseline if baseline else None),
+               f"{compiled[label].compile_s:.1f}", f"{counts.kernels}", f"{counts.passes:.1f}",
                f"{mbytes:.3f}"]
       log("  ".join(cells), flush=True)
       lines.append(cells)
+    del compiled
     sections += [title, "", _markdown(SINGLE_COLUMNS, lines), ""]
   return "\n".join(header + sections)
 

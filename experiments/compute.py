@@ -108,13 +108,26 @@ class UpdateTiming(NamedTuple):
   program: str
 
 
-def time_update(
-    tx: optax.GradientTransformation, grads: optax.Updates, repeats: int
-) -> UpdateTiming:
-  """Compile seconds, median seconds per step and the program of ``tx.update`` on one device.
+class CompiledUpdate(NamedTuple):
+  """What :func:`compile_update` built.
 
-  ``tx`` must be built over the axis ``"data"``; its state is fed back from
-  step to step (ACP-SGD alternates its two halves, DGC walks its schedule).
+  Attributes:
+    compile_s: seconds to compile the step (``lower(...).compile()``).
+    step: runs one step on the fixed gradient, the state fed back; returns
+      ``(updates, state)`` without blocking.
+    program: the compiled program's optimized HLO text.
+  """
+
+  compile_s: float
+  step: Callable[[], object]
+  program: str
+
+
+def compile_update(tx: optax.GradientTransformation, grads: optax.Updates) -> CompiledUpdate:
+  """``tx.update`` on one device, compiled, its donated state fed back from step to step.
+
+  ``tx`` must be built over the axis ``"data"`` (ACP-SGD alternates its two
+  halves from step to step, DGC walks its schedule).
   """
   mesh = training.make_mesh(1)
   state = training.init_state(tx, grads, mesh, AXIS)
@@ -128,8 +141,19 @@ def time_update(
     out, state = update(stacked, state)
     return out, state
 
-  _, times = _timed(step, repeats)
-  return UpdateTiming(compile_s, statistics.median(times), update.as_text())
+  return CompiledUpdate(compile_s, step, update.as_text())
+
+
+def time_update(
+    tx: optax.GradientTransformation, grads: optax.Updates, repeats: int
+) -> UpdateTiming:
+  """Compile seconds, median seconds per step and the program of ``tx.update`` on one device.
+
+  ``tx`` must be built over the axis ``"data"`` (see :func:`compile_update`).
+  """
+  compiled = compile_update(tx, grads)
+  _, times = _timed(compiled.step, repeats)
+  return UpdateTiming(compiled.compile_s, statistics.median(times), compiled.program)
 
 
 def measure(tx: optax.GradientTransformation, params: optax.Params, repeats: int = 5) -> float:
