@@ -156,6 +156,28 @@ def test_a_donating_update_writes_each_state_leaf_over_its_own_buffer():
   chex.assert_trees_all_equal_shapes(new_state, state)
 
 
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd"])
+def test_donated_residuals_are_updated_in_place(name):
+  """No step copies a residual-sized buffer: each residual is written over its own."""
+  params = {f"w{i}": jnp.zeros((512, 512)) for i in range(8)}
+  mesh = training.make_mesh(1)
+  config = {"density": 0.05} if name != "powersgd" else {"rank": 2}
+  tx = optax.chain(registry.build(name, "data", **config), optax.sgd(0.1))
+  state = training.init_state(tx, params, mesh, "data")
+
+  def loss_fn(p, batch):
+    x = batch["x"]
+    for i in range(8):
+      x = jnp.tanh(x @ p[f"w{i}"])
+    return jnp.mean(x)
+
+  batch = training.shard({"x": jnp.ones((2, 512))}, mesh, "data")
+  step = training.make_step(loss_fn, tx, mesh, "data")
+  text = step.lower(training.replicate(params, mesh), state, batch).compile().as_text()
+  copies = [line for line in text.splitlines() if " copy(" in line and "512,512]" in line]
+  assert not copies, copies
+
+
 def test_init_state_refuses_momentum_after_dgc():
   params, _ = _model_and_loss()
   mesh = training.make_mesh(8)
