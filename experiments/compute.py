@@ -38,8 +38,8 @@ AXIS = "data"
 
 DEVICE = "2 CPU cores, one process, one device, jax 0.10.2"
 _ALL_METHODS = "python -m experiments.bench_compression --model resnet50 --repeats 9"
-_TWO_RUNS = ("the mean of two runs (dense 127.6 and 160.1 ms per step: the dense step itself"
-             " moves by a quarter between runs here, so a figure is within about 1 ns)")
+_TWO_RUNS = ("the mean of two runs (dense 125.9 and 124.7 ms per step; the steps timed in"
+             " rotated rounds, each method's figure moved by up to 0.35 ns between the runs)")
 
 
 class Measurement(NamedTuple):
@@ -61,12 +61,12 @@ class Measurement(NamedTuple):
 
 
 # On :data:`DEVICE`, ResNet-50 shapes (25,557,032 elements), after the
-# shared path's passes were cut (experiments/results/bench_compression.md).
+# per-device state was updated in place (experiments/results/bench_compression.md).
 NS_PER_ELEMENT: dict[str, Measurement] = {
-    name: Measurement(figure, _ALL_METHODS, "2026-11-23", _TWO_RUNS)
+    name: Measurement(figure, _ALL_METHODS, "2026-11-24", _TWO_RUNS)
     for name, figure in {
-        "allreduce": 0.0, "cast": 0.0, "topk": 0.46, "gtopk": 1.15, "randomk": 0.0,
-        "dgc": 3.19, "signsgd": 0.0, "qsgd": 18.6, "powersgd": 1.67, "acpsgd": 1.39,
+        "allreduce": 0.0, "cast": 0.0, "topk": 0.0, "gtopk": 0.41, "randomk": 0.0,
+        "dgc": 2.19, "signsgd": 0.0, "qsgd": 17.3, "powersgd": 2.18, "acpsgd": 1.17,
     }.items()
 }
 
