@@ -113,8 +113,7 @@ def per_device(
   def update_fn(updates, state, params=None):
     like = jax.eval_shape(tx.init, updates)
     blocks = state.jaxcomp_per_device
-    local = jax.tree.leaves(jax.eval_shape(training.local_to_blocks, like))
-    if [jnp.shape(x) for x in jax.tree.leaves(blocks)] != [jnp.shape(x) for x in local]:
+    if not training.is_blocks_of(blocks, like):
       raise ValueError(
           "the per-device state holds every device's block here, not this device's own:"
           " call the optimizer's update inside a step wrapped by"

@@ -163,7 +163,7 @@ def local_to_blocks(state: chex.ArrayTree) -> chex.ArrayTree:
   return jax.tree.map(lambda x: x.reshape(1) if jnp.ndim(x) == 0 else x, state)
 
 
-def _is_blocks_of(blocks: chex.ArrayTree, like: chex.ArrayTree) -> bool:
+def is_blocks_of(blocks: chex.ArrayTree, like: chex.ArrayTree) -> bool:
   """Whether ``blocks`` are one device's blocks of a state shaped like ``like``."""
   want, want_def = jax.tree.flatten(jax.eval_shape(local_to_blocks, like))
   got, got_def = jax.tree.flatten(blocks)
@@ -300,7 +300,7 @@ def make_update(
     like = jax.eval_shape(tx.init, grads)
     # Gradients unlike the state's parameters: the blocks go in as they are,
     # for the transformation to name the mismatch (`updates`).
-    state = (blocks_to_local(blocks, like) if _is_blocks_of(blocks, like) else blocks)
+    state = (blocks_to_local(blocks, like) if is_blocks_of(blocks, like) else blocks)
     updates, state = tx.update(grads, state)
     return jax.tree.map(lambda x: jnp.expand_dims(x, 0), updates), local_to_blocks(state)
 

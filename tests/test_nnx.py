@@ -158,6 +158,17 @@ def test_bad_axis_is_named_at_construction():
 # ------------------------------------------------------- silent divergence
 
 
+def test_per_device_update_outside_data_parallel_is_refused():
+  """Every device's blocks at once (no data_parallel around the step): a clear error."""
+  mesh = training.make_mesh(8)
+  params = {"w": jnp.zeros((12, 3)), "b": jnp.zeros(3)}
+  tx = jaxcomp.nnx.per_device(optax.chain(jaxcomp.topk(0.2, AXIS), optax.sgd(0.1)), mesh, AXIS)
+  state = tx.init(params)
+  assert jax.tree.leaves(state)[0].shape == (8,)  # the count, one per device
+  with pytest.raises(ValueError, match="every device's block here.*data_parallel"):
+    tx.update(params, state, params)
+
+
 def test_check_replicas_catches_a_compressor_state_held_replicated():
   """The natural mistake: the optimizer replicated (P()) with check_vma=False."""
   mesh = training.make_mesh(8)
