@@ -197,7 +197,7 @@ def _program(tx, mesh, grads, params) -> tuple[Callable[[], object], int]:
   axes = (SLOW, FAST)  # the arrays' rows, one per device, whichever axes tx reduces over
   update = training.make_update(tx, mesh, axes, donate=True)
   state = training.init_state(tx, params, mesh, axes)
-  elements = sum(x.size // x.shape[0] for x in jax.tree.leaves(state))
+  elements = sum(x.size for x in jax.tree.leaves(state)) // training.num_replicas(mesh, axes)
 
   def step():
     nonlocal state

@@ -30,9 +30,10 @@ axis, the slow one (between nodes), on this device's shard of the gradient
 (:func:`jaxcomp.training.make_fsdp_step`). The run writes
 ``compare_fsdp.json``, ``compare_fsdp.md`` and ``compare_fsdp_*.png`` instead,
 and each method's row holds the bytes per step over each axis apart
-(``bytes_by_axes``, read from the compiled step) beside what the wire formula
-of :func:`jaxcomp.hierarchical` around the same compressor says the exchange
-sends (``bytes_by_axes_formula``).
+(``bytes_by_axes``, read from the compiled step) beside what the wire formulas
+say the step sends (``bytes_by_axes_formula``,
+:func:`jaxcomp.training.fsdp_transfers`: :func:`jaxcomp.hierarchical`'s
+around the same compressor, with the step's skip decision).
 
 With ``--large-batch`` it trains digits at a global batch of 1,024 with and
 without the 2D-torus paper's large-batch recipe (batch-size control and
@@ -377,9 +378,11 @@ def train_method_fsdp(name: str, config: Config, task: dict, model: models.Model
   Parameters in row blocks over the fast axis, the compressor over the slow
   axis on this device's shard of the gradient, the same optimizer after it as
   in the replicated layout. Bytes are read per axis from the compiled step and
-  set beside :func:`jaxcomp.hierarchical`'s formula around the same
-  compressor: its fast-axis reduce-scatter and all-gather are the gradient's
-  reduce-scatter and the parameters' all-gather here.
+  set beside :func:`jaxcomp.training.fsdp_transfers`: the fast-axis
+  reduce-scatter and all-gather of :func:`jaxcomp.hierarchical` around the
+  same compressor are the gradient's reduce-scatter and the parameters'
+  all-gather here, and the step's skip decision is an int32 all-reduce over
+  both axes.
   """
   method = task["methods"][name]
   compressor_config = _compressor_config(method, config.steps)
@@ -394,29 +397,20 @@ def train_method_fsdp(name: str, config: Config, task: dict, model: models.Model
   compiled = step.lower(params, opt_state, first).compile()
   mesh_shape = dict(mesh.shape)
   measured = wire.collective_bytes(compiled, mesh_shape=mesh_shape)
-  layout = hierarchy.hierarchical(compressor, fast, mesh_shape[fast])
-  # The step's one collective outside the exchange: its skip decision, an
-  # int32 all-reduce (pmin) over every device of the mesh.
-  finiteness = [op for op in measured.ops
-                if op.kind == "all-reduce" and op.buffer_bytes == 4
-                and op.axes == tuple(mesh.axis_names)]
-  exchange = dataclasses.replace(measured, ops=tuple(o for o in measured.ops
-                                                     if o not in finiteness))
   by_axes = {}
   for label, steps in (("", None), ("_run_average", config.steps)):
-    formula = wire.transfers(layout, model.params, mesh_shape, steps=steps)
+    formula = training.fsdp_transfers(compressor, model.params, mesh_shape, slow, fast,
+                                      steps=steps)
     program = program_bytes(measured, formula, by="axes")
-    sent = program_bytes(exchange, formula, by="axes")
-    expected = wire.expected_bytes(layout, model.params, mesh_shape, steps=steps).by_axes
+    expected = wire.tally(formula).by_axes
     by_axes["bytes_by_axes" + label] = {_axes_key(a): float(v) for a, v in program.items()}
     by_axes["bytes_by_axes" + label + "_formula"] = {
         _axes_key(a): float(v) for a, v in expected.items()}
-    # Program less formula on each axis, the finiteness reduction left out:
-    # empty when they agree exactly.
+    # Program less formula on each axis: empty when they agree exactly.
     by_axes["formula_mismatch" + label] = {
-        _axes_key(a): float(sent.get(a, 0) - expected.get(a, 0))
-        for a in sorted(set(sent) | set(expected))
-        if sent.get(a, 0) != expected.get(a, 0)}
+        _axes_key(a): float(program.get(a, 0) - expected.get(a, 0))
+        for a in sorted(set(program) | set(expected))
+        if program.get(a, 0) != expected.get(a, 0)}
   evaluate = jax.jit(
       lambda shard, x, y: model.evaluate(training.gather_params(shard, model.params), x, y))
   history, times, skipped = _train_loop(
@@ -435,7 +429,6 @@ def train_method_fsdp(name: str, config: Config, task: dict, model: models.Model
       "slow_bytes_per_step": program_axes.get(slow, 0.0),
       "fast_bytes_per_step": program_axes.get(fast, 0.0),
       "both_axes_bytes_per_step": program_axes.get(_axes_key(tuple(mesh.axis_names)), 0.0),
-      "finiteness_bytes_per_step": float(sum(op.bytes * op.weight for op in finiteness)),
       "slow_bytes_per_step_run_average": by_axes["bytes_by_axes_run_average"].get(slow, 0.0),
       **by_axes,
       "message_bytes": message,
@@ -557,7 +550,7 @@ def check_goals(report: dict) -> list[dict]:
     mismatched = [name for name, row in methods.items() if row["formula_mismatch"]]
     goals.append({
         "goal": "every method's program bytes on each axis equal the formula"
-                " (hierarchical's; the finiteness reduction aside)",
+                " (training.fsdp_transfers)",
         "met": not mismatched, "value": len(mismatched),
     })
   if "allreduce" not in methods:
@@ -808,14 +801,14 @@ def markdown_fsdp(report: dict) -> str:
       f" that autodiff makes of it, each (X-1)/X of the X = {cols} padded row blocks in"
       " f32; the same for every method.",
       f"- **both axes**: the step's skip decision, one int32 all-reduce (`pmin` of"
-      f" \"finite\") over all {rows * cols} devices: 2(P-1)/P of 4 bytes. It is the step's,"
-      " not the exchange's, and the formula leaves it out.",
-      f"- **formula**: `jaxcomp.wire.expected_bytes(jaxcomp.hierarchical(compressor,"
-      f" \"{fast}\", {cols}), params, mesh.shape).by_axes`: the hierarchical wrapper's"
-      f" reduce-scatter and all-gather on `{fast}` are what the FSDP step's gradient"
-      f" reduce-scatter and parameter all-gather send, and its compressor runs on the same"
-      f" shard over `{slow}`. **program = formula**: yes when the program's bytes on each"
-      " axis, the skip decision aside, equal the formula exactly, both after the schedule"
+      f" \"finite\") over all {rows * cols} devices: 2(P-1)/P of 4 bytes.",
+      f"- **formula**: `jaxcomp.wire.tally(jaxcomp.training.fsdp_transfers(compressor,"
+      f" params, mesh.shape, \"{slow}\", \"{fast}\")).by_axes`: the reduce-scatter and"
+      f" all-gather on `{fast}` of `jaxcomp.hierarchical(compressor, \"{fast}\", {cols})`"
+      f" are what the FSDP step's gradient reduce-scatter and parameter all-gather send,"
+      f" its compressor runs on the same shard over `{slow}`, and the skip decision is"
+      f" the all-reduce over both axes. **program = formula**: yes when the program's"
+      " bytes on each axis equal the formula exactly, both after the schedule"
       " and averaged over the run; otherwise the difference (`formula_mismatch` and"
       " `formula_mismatch_run_average` in the JSON).",
       *([_dgc_note(_with_bytes(methods["dgc"]), config, _with_bytes(dense), " over the slow link")]

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from jaxcomp import base
@@ -130,8 +131,10 @@ def hierarchical(
   Wire (:func:`jaxcomp.wire.expected_bytes` gives it per axis in
   ``by_axes``): on the fast axis, a reduce-scatter and an all-gather of the ``X S``
   padded shard elements, ``(X - 1) / X * X S * w`` bytes each (``w`` bytes
-  per element: 4, or 2 with a 16-bit ``fast_dtype``); on the slow axis, the
-  compressor's formula for gradients shaped like the shard
+  per element: 4, or 2 with a 16-bit ``fast_dtype``), and for a compressor
+  with state to protect an all-reduce of one int32 (whether every shard's
+  step is kept, :func:`skip_flag`), ``2 (X - 1) / X * 4`` bytes; on the slow
+  axis, the compressor's formula for gradients shaped like the shard
   (:func:`shard_shapes`).
 
   Example::
@@ -141,10 +144,11 @@ def hierarchical(
         optax.sgd(0.1, momentum=0.9))
   """
   inner_spec = protocol.spec(compressor)
-  if inner_spec is None:
+  if inner_spec is None or inner_spec.fused is None:
     raise TypeError(
-        "`compressor` must be a jaxcomp compressor (jaxcomp.gtopk(...), ...), got"
-        f" {type(compressor).__name__}")
+        "`compressor` must be one jaxcomp compressor (jaxcomp.gtopk(...), ...), not a"
+        f" hierarchical one nor another transformation, got {type(compressor).__name__}")
+  fused = inner_spec.fused
   if not isinstance(fast_axis, str) or not fast_axis:
     raise TypeError(f"`fast_axis` must be a mesh axis name (str), got {fast_axis!r}")
   if fast_axis in inner_spec.axes:
@@ -170,31 +174,34 @@ def hierarchical(
     if size != fast_size:
       raise ValueError(
           f"`fast_size` is {fast_size} but the mesh axis {fast_axis!r} has {size} devices")
-    bucket = fusion.Bucket.of(updates)
+    like = shard_shapes(updates, fast_size)
+    bucket = fused.layout(like)  # the shard's leaves in the compressor's order
     if bucket.size == 0:  # nothing to exchange
       return updates, state
     leaves = jax.tree.leaves(updates)
     blocks = [_blocks(leaves[i], fast_size) for i in bucket.leaves]
     widths = [b.shape[1] for b in blocks]
-    stacked = jnp.concatenate(blocks, axis=1) / fast_size  # the mean, scaled before the sum
+    stacked = jnp.concatenate(blocks, axis=1)
     shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
-    shard_tree = fusion.scatter_leaves(updates, {
-        i: part.reshape(_shard_shape(tuple(leaves[i].shape), fast_size)).astype(leaves[i].dtype)
-        for i, part in zip(bucket.leaves, _split(shard, widths))})
-    mean_shard, inner_state = compressor.update(shard_tree, state.inner)
-    mean_leaves = jax.tree.leaves(mean_shard)
-    flat_shard = fusion.concat([mean_leaves[i].reshape(-1).astype(jnp.float32)
-                                for i in bucket.leaves])
-    gathered = collectives.allgather_chunks(flat_shard, fast_axis, wire_dtype=wire_dtype)
+    # The mean, scaled after the sum: on the shard, where the division fuses
+    # into the compressor's first read (scaled before, it is a pass of its own
+    # over the X-times larger buffer). An f32 sum of X gradients overflows
+    # only beyond 3.4e38 / X, and a non-finite mean skips the step.
+    shard = shard / fast_size
+    # The shard goes in and its mean comes out flat, in the compressor's order:
+    # no round trip through the shard's leaves.
+    mean, inner_state, ok = fused.update(shard, like, state.inner)
+    gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
     gathered = gathered.reshape(fast_size, -1)
     result = fusion.scatter_leaves(updates, {
         i: _unblocks(part, leaves[i])
         for i, part in zip(bucket.leaves, _split(gathered, widths, axis=1))})
-    # The mean is identical on every device, so is this choice; a shard whose
-    # own slow group saw finite input must not move on alone.
-    ok = protocol.all_finite(gathered)
-    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), inner_state, state.inner)
-    return result, HierarchicalState(inner=kept)
+    if ok is not None:
+      # Each shard's slow group decides on its own shard; a step skipped on one
+      # shard is skipped on all (one int32 on the fast axis, not a test of the mean).
+      ok = lax.pmin(ok.astype(jnp.int32), fast_axis) > 0
+      inner_state = protocol.keep_if(ok, inner_state, state.inner)
+    return result, HierarchicalState(inner=inner_state)
 
   def wire_cost(shapes, sizes, steps):
     fast = sizes[fast_axis]
@@ -204,6 +211,8 @@ def hierarchical(
     scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
     fast_cost = (wire.transfer(scatter, fast, padded * itemsize, (fast_axis,)),
                  wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize, (fast_axis,)))
+    if not fused.propagates_nonfinite:
+      fast_cost += (skip_flag(fast_axis, fast),)
     slow_sizes = {a: sizes[a] for a in inner_spec.axes}
     return fast_cost + inner_spec.wire(shard, slow_sizes, steps)
 
@@ -212,6 +221,11 @@ def hierarchical(
       config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
       axes=inner_spec.axes + (fast_axis,), wire=wire_cost))
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def skip_flag(fast_axis: str, fast_size: int) -> wire.Transfer:
+  """The int32 all-reduce over the fast axis by which every shard keeps or skips a step together."""
+  return wire.transfer(wire.Kind.ALL_REDUCE, fast_size, 4, (fast_axis,))
 
 
 def _split(x: jax.Array, widths, axis: int = 0) -> list[jax.Array]:

@@ -26,7 +26,10 @@ the rest, once, for every method:
 Every transformation carries a :class:`Spec` (its registry name, its
 configuration, its axes and its wire formula) on its ``update`` function, so
 :func:`find_specs` finds the compressors inside any chain and
-:func:`jaxcomp.wire.expected_bytes` prices them.
+:func:`jaxcomp.wire.expected_bytes` prices them. A compressor's spec also
+holds its :class:`Fused` path: the same steps for a wrapper that hands over
+the gradient already fused and takes the mean back fused
+(:func:`jaxcomp.hierarchical`).
 """
 
 from __future__ import annotations
@@ -173,6 +176,44 @@ class Spec:
   config: Mapping[str, Any]
   axes: tuple[str, ...]
   wire: Callable[[Any, Mapping[str, int], Optional[int]], tuple]
+  fused: Optional["Fused"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+  """A compressor's path for a caller that holds the gradient fused already.
+
+  A wrapper that builds the flat gradient itself (:func:`jaxcomp.hierarchical`
+  reduce-scatters it) lays it out in the compressor's bucket order, hands it
+  over flat and takes the mean back flat: no round trip through the leaves.
+  The results are those of the compressor's ``update`` on the same leaves.
+
+  Attributes:
+    layout: ``layout(tree) -> Bucket``: the compressor's bucket of ``tree``
+      (which leaves, in which order); ``tree``'s leaves may be
+      ``jax.ShapeDtypeStruct``.
+    update: ``update(flat, like, state) -> (mean, new_state, ok)``, inside
+      ``shard_map`` over the compressor's axes. ``like``: the leaves'
+      shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``), shaped like
+      the state's parameters; ``flat``: the gradient, ``f32[bucket.size]``
+      for ``bucket = layout(like)``, in the bucket's order and
+      ``bucket.size >= 1`` (each leaf's part is rounded to the leaf's dtype
+      here, as ``update`` would see it). ``mean``: ``f32[bucket.size]``, the
+      decoded mean in the same order, not rounded to the leaves' dtypes.
+      ``new_state``: the state after the step, not yet kept or dropped.
+      ``ok``: bool scalar, the same on every device of the compressor's
+      axes: the mean is finite and ``new_state`` may be kept; ``None``
+      when ``propagates_nonfinite``. Keep ``new_state`` only where the
+      caller's ``ok`` holds, as ``update`` does.
+    propagates_nonfinite: the method's dense exchange carries a non-finite
+      value to every device by itself and it has no state to protect, so
+      there is no ``ok`` to combine.
+  """
+
+  layout: Callable[[chex.ArrayTree], fusion.Bucket]
+  update: Callable[[jax.Array, chex.ArrayTree, Any],
+                   tuple[jax.Array, Any, Optional[jax.Array]]]
+  propagates_nonfinite: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +281,11 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the bool scalar ``ok`` holds, else ``old`` (pytrees alike)."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def compressor(method: Method) -> optax.GradientTransformation:
   """The ``optax.GradientTransformation`` of ``method`` on the shared path.
 
@@ -266,41 +312,41 @@ def compressor(method: Method) -> optax.GradientTransformation:
       values["rng_key"] = base.raw_key(method.seed)
     return method.state(**values)
 
-  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
-    del params
-    fusion.check_leaves(updates)
-    if method.error_feedback:
-      error_feedback.check_matches(updates, state.residual)
-    bucket = method.layout(updates)
-    sizes = base.axis_sizes(method.axes)
-    if bucket.size == 0:  # nothing to exchange: a no-op, still a step
-      return updates, (state._replace(count=optax.safe_increment(state.count))
-                       if counted else state)
-    ctx = Context(bucket, method.axes, sizes, state.count if counted else None)
+  def step(updates: optax.Updates, state, bucket: fusion.Bucket,
+           flat: Optional[jax.Array] = None):
+    """``(mean, new_state, ok)`` of a bucket of at least one element (see :class:`Fused`).
+
+    ``mean`` is the method's :attr:`Output.mean` (flat, or one array per leaf).
+    ``flat``: ``bucket.flatten(updates)`` where the caller holds it already.
+    """
+    ctx = Context(bucket, method.axes, base.axis_sizes(method.axes),
+                  state.count if counted else None)
     new: dict[str, Any] = {}
     if keyed:
       next_key, draw = jax.random.split(jax.random.wrap_key_data(state.rng_key))
       ctx = dataclasses.replace(ctx, key=draw)
       new["rng_key"] = jax.random.key_data(next_key)
 
+    if flat is None and (method.prepare is not None or not method.error_feedback):
+      flat = bucket.flatten(updates)
     if method.prepare is not None:
-      gradient, carry = method.prepare(ctx, bucket.flatten(updates), state)
+      gradient, carry = method.prepare(ctx, flat, state)
       ctx = dataclasses.replace(ctx, carry=carry)
       corrected = (gradient + bucket.flatten(state.residual) if method.error_feedback
                    else gradient)
     elif method.error_feedback:
-      corrected = error_feedback.compensate(bucket, updates, state.residual)
+      # Leaf by leaf from the leaves; from a flat gradient in hand, one
+      # concatenation of the residual (a kernel, not one per leaf).
+      corrected = (error_feedback.compensate(bucket, updates, state.residual) if flat is None
+                   else flat + bucket.flatten(state.residual))
     else:
-      corrected = bucket.flatten(updates)
+      corrected = flat
     if not method.propagates_nonfinite:
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
       ctx = dataclasses.replace(ctx, finite=all_finite(corrected))
 
     out = method.step(ctx, corrected, state)
-    result = bucket.unflatten(out.mean, like=updates)
-    if not fields:
-      return result, state
     new.update(out.state)
     if counted:
       new["count"] = optax.safe_increment(state.count)
@@ -316,15 +362,42 @@ def compressor(method: Method) -> optax.GradientTransformation:
       new["residual"] = error_feedback.absorb(bucket, kept, state.residual)
     new_state = state._replace(**new)
     if method.propagates_nonfinite:
-      return result, new_state
+      return out.mean, new_state, None
     # The mean is identical on every device, so is this choice.
-    ok = _all_finite(out.mean if out.witness is None else out.witness)
-    return result, jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+    return out.mean, new_state, _all_finite(out.mean if out.witness is None else out.witness)
+
+  def checked_bucket(updates: chex.ArrayTree, state) -> fusion.Bucket:
+    if method.error_feedback:
+      error_feedback.check_matches(updates, state.residual)
+    base.axis_sizes(method.axes)  # an unknown axis is named even when nothing is sent
+    return method.layout(updates)
+
+  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
+    del params
+    fusion.check_leaves(updates)
+    bucket = checked_bucket(updates, state)
+    if bucket.size == 0:  # nothing to exchange: a no-op, still a step
+      return updates, (state._replace(count=optax.safe_increment(state.count))
+                       if counted else state)
+    mean, new_state, ok = step(updates, state, bucket)
+    return (bucket.unflatten(mean, like=updates),
+            new_state if ok is None else keep_if(ok, new_state, state))
+
+  def fused_update(flat: jax.Array, like: chex.ArrayTree, state):
+    bucket = checked_bucket(like, state)
+    exact = all(d == jnp.float32 for d in bucket.dtypes)  # else rounded leaf by leaf
+    mean, new_state, ok = step(bucket.unflatten(flat, like=like), state, bucket,
+                               flat if exact else None)
+    if isinstance(mean, (list, tuple)):
+      mean = fusion.concat([m.reshape(-1) for m in mean])
+    return mean, new_state, ok
 
   def wire(shapes, axis_sizes, steps=None):
     return method.wire(method.layout(shapes), axis_sizes, steps)
 
-  attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire))
+  attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire,
+                              fused=Fused(method.layout, fused_update,
+                                          method.propagates_nonfinite)))
   return optax.GradientTransformation(init_fn, update_fn)
 
 

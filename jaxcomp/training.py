@@ -47,6 +47,7 @@ from jaxcomp import fusion
 from jaxcomp import hierarchy
 from jaxcomp import protocol
 from jaxcomp import registry
+from jaxcomp import wire
 
 # loss_fn(params, batch) -> scalar loss over this device's part of the batch.
 LossFn = Callable[[optax.Params, Any], jax.Array]
@@ -557,11 +558,7 @@ def make_fsdp_step(
     ``params`` of :func:`shard_params`, ``opt_state`` of
     :func:`init_fsdp_state`, ``batch`` sharded over both axes.
 
-  Wire: exactly what ``jaxcomp.hierarchical(compressor, fast_axis, X)`` sends
-  (``wire.expected_bytes(..., mesh.shape).by_axes``): the parameters'
-  all-gather and the gradient's reduce-scatter over ``fast_axis`` are its
-  fast-axis transfers, the compressor's formula for the shard runs over
-  ``slow_axis``; plus one int32 all-reduce over both axes for the skip.
+  Wire: :func:`fsdp_transfers`.
   """
   axes = (slow_axis, fast_axis)
   whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
@@ -606,6 +603,41 @@ def make_fsdp_step(
 
 _REPLICAS_KEY = "jaxcomp_num_replicas"
 _SHAPES_KEY = "jaxcomp_param_shapes"
+
+
+def fsdp_transfers(
+    compressor: optax.GradientTransformation,
+    params: optax.Params,
+    mesh_shape: dict[str, int],
+    slow_axis: str,
+    fast_axis: str,
+    *,
+    steps: Optional[int] = None,
+) -> wire.WireCost:
+  """What a step of :func:`make_fsdp_step` sends, by the formulas (pass to ``wire`` to tally).
+
+  The transfers of ``jaxcomp.hierarchical(compressor, fast_axis, X)``: the
+  parameters' all-gather and the gradient's reduce-scatter over
+  ``fast_axis`` are its dense fast-axis transfers, the compressor's formula
+  for the shard runs over ``slow_axis``; the step's skip is one int32
+  all-reduce over both axes, in place of the hierarchy's flag over
+  ``fast_axis``.
+
+  Args:
+    compressor: the jaxcomp compressor in the step's chain, built over
+      ``slow_axis``.
+    params: the whole parameters (or their shapes).
+    mesh_shape: the mesh's axis sizes (``dict(mesh.shape)``).
+    slow_axis, fast_axis: as given to :func:`make_fsdp_step`.
+    steps: as in :func:`jaxcomp.wire.expected_bytes`.
+  """
+  size = mesh_shape[fast_axis]
+  nested = hierarchy.hierarchical(compressor, fast_axis, size)
+  flag = hierarchy.skip_flag(fast_axis, size)
+  exchange = tuple(t for t in wire.transfers(nested, params, mesh_shape, steps=steps)
+                   if t != flag)
+  return exchange + (wire.transfer(wire.Kind.ALL_REDUCE, mesh_shape[slow_axis] * size, 4,
+                                   (slow_axis, fast_axis)),)
 
 
 def _param_shapes(params: optax.Params) -> dict[str, list[int]]:

@@ -474,8 +474,12 @@ def expected_bytes(
   Raises:
     TypeError: ``tx`` holds no jaxcomp compressor.
   """
-  return _tally((t.kind, t.bytes, t.weight, t.branch, t.axes)
-                for t in transfers(tx, params, num_devices, steps=steps))
+  return tally(transfers(tx, params, num_devices, steps=steps))
+
+
+def tally(cost: WireCost) -> WireBytes:
+  """:class:`WireBytes` of the transfers ``cost`` (what :func:`expected_bytes` sums)."""
+  return _tally((t.kind, t.bytes, t.weight, t.branch, t.axes) for t in cost)
 
 
 def transfers(

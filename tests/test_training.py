@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxcomp
+from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -300,9 +301,10 @@ def test_fsdp_checkpoint_resumes_bit_exactly_and_refuses_another_layout(tmp_path
 
 @pytest.mark.parametrize("name", registry.names())
 def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
-  """The parameters' all-gather and the gradient's reduce-scatter are the fast-axis
-  transfers of ``jaxcomp.hierarchical``; the compressor sends the shard's formula on
-  the slow axis; the skip adds one int32 all-reduce over both axes."""
+  """The parameters' all-gather and the gradient's reduce-scatter are the dense
+  fast-axis transfers of ``jaxcomp.hierarchical``; the compressor sends the shard's
+  formula on the slow axis; the skip is one int32 all-reduce over both axes, in place
+  of the hierarchy's int32 flag on the fast axis."""
   config = {k: v for k, v in {"density": 0.3, "rank": 1}.items()
             if k in registry.get(name).defaults}
   compressor = registry.build(name, "dcn", **config)
@@ -314,7 +316,12 @@ def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
                         training.init_fsdp_state(tx, params, mesh, "dcn", "ici"),
                         training.shard(batch, mesh, FSDP_AXES)).compile()
   read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
-  formula = wire.expected_bytes(jaxcomp.hierarchical(compressor, "ici", 4), params,
-                                dict(mesh.shape)).by_axes
-  skip = {FSDP_AXES: wire.ring_bytes("all-reduce", 8, 4)}
-  assert read == {**formula, **skip}
+  formula = wire.tally(training.fsdp_transfers(compressor, params, dict(mesh.shape),
+                                               "dcn", "ici")).by_axes
+  assert read == formula
+  hierarchical = wire.expected_bytes(jaxcomp.hierarchical(compressor, "ici", 4), params,
+                                     dict(mesh.shape)).by_axes
+  assert formula[("dcn",)] == hierarchical[("dcn",)]
+  flag = 0 if protocol.spec(compressor).fused.propagates_nonfinite else 6
+  assert formula[("ici",)] == hierarchical[("ici",)] - flag
+  assert formula[FSDP_AXES] == wire.ring_bytes("all-reduce", 8, 4)
