@@ -125,10 +125,13 @@ class HierarchicalRow(NamedTuple):
     name: the registry name.
     label: the name with the settings it ran with.
     rounds: ``{program: [seconds of each timed round]}``.
-    compile_s: ``{program: seconds of its warm-up step}`` (the compile).
+    compile_s: ``{program: seconds of its compile}`` (``lower(...).compile()``).
     state_elements: ``{"flat": ..., "hier": ...}``, the elements of one
       device's compressor state (residual, momentum, factors) in each
       program: the hierarchical one is sized to the shard.
+    passes: ``{program: passes}``, read from its compiled program
+      (:func:`experiments.hlo_counts.count`, in units of the whole
+      gradient's ``f32[n]``): what the timings measure, without their noise.
   """
 
   name: str
@@ -136,6 +139,7 @@ class HierarchicalRow(NamedTuple):
   rounds: dict
   compile_s: dict
   state_elements: dict
+  passes: dict
 
   def ms(self, program: str) -> float:
     """Median milliseconds per step of ``program``."""
@@ -150,6 +154,16 @@ class HierarchicalRow(NamedTuple):
   def hier_compute_ms(self) -> float:
     """``hier - hier_dense``: compressing the shard, the hierarchy's exchange taken out."""
     return self.ms("hier") - self.ms("hier_dense")
+
+  @property
+  def flat_compute_passes(self) -> float:
+    """``flat_local - local_dense`` in passes over memory."""
+    return self.passes["flat_local"] - self.passes["local_dense"]
+
+  @property
+  def hier_compute_passes(self) -> float:
+    """``hier - hier_dense`` in passes over memory."""
+    return self.passes["hier"] - self.passes["hier_dense"]
 
   @property
   def half_compute_ms(self) -> float:
@@ -176,6 +190,11 @@ class HierarchicalRow(NamedTuple):
     return self._over(self.hier_compute_ms, self.flat_compute_ms)
 
   @property
+  def passes_ratio(self) -> Optional[float]:
+    """``hier_compute_passes / flat_compute_passes``."""
+    return self._over(self.hier_compute_passes, self.flat_compute_passes)
+
+  @property
   def half_ratio(self) -> Optional[float]:
     """``half_compute_ms / flat_compute_ms``: how the method's compute follows n."""
     return self._over(self.half_compute_ms, self.flat_compute_ms)
@@ -191,20 +210,31 @@ class HierarchicalRow(NamedTuple):
     return None if self.ratio is None else self.ratio <= GOAL
 
 
-def _program(tx, mesh, grads, params) -> tuple[Callable[[], object], int]:
-  """One step of ``tx.update`` on every device, its state fed back from step to step,
-  and the elements of one device's state."""
+class _Program(NamedTuple):
+  """One compiled step of :func:`hierarchical_rows`."""
+
+  step: Callable[[], object]
+  compile_s: float
+  passes: float
+  state_elements: int
+
+
+def _program(tx, mesh, grads, params, n: int) -> _Program:
+  """One step of ``tx.update`` on every device, its state fed back from step to step;
+  its compile seconds, its passes over ``f32[n]`` and the elements of one device's state."""
   axes = (SLOW, FAST)  # the arrays' rows, one per device, whichever axes tx reduces over
-  update = training.make_update(tx, mesh, axes, donate=True)
   state = training.init_state(tx, params, mesh, axes)
   elements = sum(x.size for x in jax.tree.leaves(state)) // training.num_replicas(mesh, axes)
+  start = time.perf_counter()
+  update = training.make_update(tx, mesh, axes, donate=True).lower(grads, state).compile()
+  compile_s = time.perf_counter() - start
 
   def step():
     nonlocal state
     out, state = update(grads, state)
     return out, state
 
-  return step, elements
+  return _Program(step, compile_s, hlo_counts.count(update.as_text(), n).passes, elements)
 
 
 def _seconds(step: Callable[[], object]) -> float:
@@ -214,19 +244,19 @@ def _seconds(step: Callable[[], object]) -> float:
 
 
 def _rounds(programs: dict, repeats: int) -> tuple[dict, dict]:
-  """A warm-up round (the compiles), then ``repeats`` rounds of every program once.
+  """A warm-up round, then ``repeats`` rounds of every program once: ``(warm-up s, rounds)``.
 
   The programs run one after the other, each step blocked before the next
   starts, in an order rotated by one from round to round, so a change in the
   machine's load falls on all of them alike.
   """
   order = list(programs)
-  compile_s = {p: _seconds(programs[p]) for p in order}
+  warmup_s = {p: _seconds(programs[p]) for p in order}
   rounds = {p: [] for p in order}
   for r in range(repeats):
     for p in order[r % len(order):] + order[:r % len(order)]:
       rounds[p].append(_seconds(programs[p]))
-  return compile_s, rounds
+  return warmup_s, rounds
 
 
 def hierarchical_rows(
@@ -249,29 +279,34 @@ def hierarchical_rows(
 
   whole = inputs(model_shapes, 0)
   half = inputs(hierarchy.shard_shapes(model_shapes, fast), 1)
-  build = lambda tx, data=whole: _program(tx, mesh, *data)  # noqa: E731
+  n = shapes.num_params(model_shapes)
+  build = lambda tx, data=whole: _program(tx, mesh, *data, n)  # noqa: E731
   allreduce = functools.partial(registry.build, "allreduce")
   dense = {
-      "dense": build(allreduce((SLOW, FAST)))[0],
-      "local_dense": build(allreduce(SLOW))[0],
-      "hier_dense": build(jaxcomp.hierarchical(allreduce(SLOW), FAST, fast))[0],
-      "half_local_dense": build(allreduce(SLOW), half)[0],
+      "dense": build(allreduce((SLOW, FAST))),
+      "local_dense": build(allreduce(SLOW)),
+      "hier_dense": build(jaxcomp.hierarchical(allreduce(SLOW), FAST, fast)),
+      "half_local_dense": build(allreduce(SLOW), half),
   }
   rows = []
   for name in names:
     config = settings(name, rank, density)
-    flat, flat_elements = build(registry.build(name, (SLOW, FAST), **config))
-    flat_local, _ = build(registry.build(name, SLOW, **config))
-    hier, hier_elements = build(
-        jaxcomp.hierarchical(registry.build(name, SLOW, **config), FAST, fast))
-    half_local, _ = build(registry.build(name, SLOW, **config), half)
-    compile_s, rounds = _rounds({**dense, "flat": flat, "flat_local": flat_local, "hier": hier,
-                                 "half_local": half_local}, repeats)
-    row = HierarchicalRow(name, _label(name, config), rounds, compile_s,
-                          {"flat": flat_elements, "hier": hier_elements})
+    programs = {
+        **dense,
+        "flat": build(registry.build(name, (SLOW, FAST), **config)),
+        "flat_local": build(registry.build(name, SLOW, **config)),
+        "hier": build(jaxcomp.hierarchical(registry.build(name, SLOW, **config), FAST, fast)),
+        "half_local": build(registry.build(name, SLOW, **config), half),
+    }
+    _, rounds = _rounds({p: program.step for p, program in programs.items()}, repeats)
+    row = HierarchicalRow(
+        name, _label(name, config), rounds,
+        {p: program.compile_s for p, program in programs.items()},
+        {"flat": programs["flat"].state_elements, "hier": programs["hier"].state_elements},
+        {p: program.passes for p, program in programs.items()})
     rows.append(row)
     log(f"  {row.label}: " + ", ".join(f"{p} {row.ms(p):.1f}" for p in PROGRAMS) + " ms")
-    del flat, flat_local, hier, half_local  # their states go before the next method's are made
+    del programs  # their states go before the next method's are made
   return rows
 
 
@@ -279,7 +314,8 @@ STEP_COLUMNS = ("compressor", "dense ms", "flat ms", "hier ms", "local dense ms"
                 "flat local ms", "hier(dense) ms", "half local dense ms", "half local ms",
                 "compile s flat / hier")
 COMPUTE_COLUMNS = ("compressor", "flat compute ms", "hier compute ms", "hier/flat",
-                   f"<= {GOAL:g}", "half-n compute ms", "half-n/flat", "flat - dense ms",
+                   f"<= {GOAL:g}", "passes flat / hier compute", "hier/flat passes",
+                   "half-n compute ms", "half-n/flat", "flat - dense ms",
                    "hier - dense ms", "(hier - dense)/(flat - dense)",
                    "state elements/device flat / hier")
 
@@ -307,7 +343,9 @@ def render_rows(rows: list[HierarchicalRow]) -> str:
                                            "half_local")),
             f"{row.compile_s['flat']:.1f} / {row.compile_s['hier']:.1f}"] for row in rows]
   computes = [[row.label, f"{row.flat_compute_ms:.2f}", f"{row.hier_compute_ms:.2f}",
-               _ratio(row.ratio), _goal(row), f"{row.half_compute_ms:.2f}",
+               _ratio(row.ratio), _goal(row),
+               f"{row.flat_compute_passes:.2f} / {row.hier_compute_passes:.2f}",
+               _ratio(row.passes_ratio), f"{row.half_compute_ms:.2f}",
                _ratio(row.half_ratio), f"{row.flat_over_dense_ms:.2f}",
                f"{row.hier_over_dense_ms:.2f}", _ratio(row.step_ratio),
                f"{row.state_elements['flat']:,} / {row.state_elements['hier']:,}"]
@@ -337,6 +375,10 @@ DEFINITIONS = f"""\
   compression's own compute per device, every exchange taken out of both (the hierarchical
   method's "slow" collectives are over a group of one, as flat local's are). **hier/flat** is
   their ratio, the goal's (issue 14: <= {GOAL:g}); n/a where flat compute <= 0 and for allreduce.
+- **passes flat / hier compute** and **hier/flat passes**: the same differences in passes
+  over memory, read from each compiled program (`experiments.hlo_counts`; bytes read and
+  written over 4n, n the whole gradient's elements): the traffic the timings measure, free
+  of their noise (0.5 when the hierarchy halves each device's traffic).
 - **half-n compute** = half local - half local dense: the method's compute on the shard's
   shapes without the hierarchy; **half-n/flat** shows how the method's own compute follows n
   (0.5 if it is proportional to n): where hier/flat misses the goal and half-n/flat misses it

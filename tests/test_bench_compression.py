@@ -54,6 +54,10 @@ def test_one_row_per_method_every_column(report):
     flat, hier = (int(x.replace(",", "")) for x in
                   r[header.index("state elements/device flat / hier")].split(" / "))
     assert flat >= 876 and 0.45 * flat < hier < 0.7 * flat, r[0]
+    # Compressing half the gradient moves fewer bytes, as read from the programs.
+    flat, hier = (float(x) for x in r[header.index("passes flat / hier compute")].split(" / "))
+    assert 0 < hier < flat, r[0]
+    assert float(r[header.index("hier/flat passes")]) == pytest.approx(hier / flat, abs=0.01)
 
 
 def test_differences_and_ratios_come_from_the_same_row(report):
@@ -95,7 +99,10 @@ def test_rows_hold_repeats_rounds_of_every_program():
   assert [r.name for r in rows] == ["allreduce", "signsgd"]
   median_ms = lambda row, p: statistics.median(row.rounds[p]) * 1e3  # noqa: E731
   for row in rows:
-    assert set(row.rounds) == set(row.compile_s) == set(bench_compression.PROGRAMS)
+    assert (set(row.rounds) == set(row.compile_s) == set(row.passes)
+            == set(bench_compression.PROGRAMS))
+    assert row.flat_compute_passes == row.passes["flat_local"] - row.passes["local_dense"]
+    assert row.hier_compute_passes == row.passes["hier"] - row.passes["hier_dense"]
     assert set(row.state_elements) == {"flat", "hier"}
     assert all(len(times) == 3 and min(times) > 0 for times in row.rounds.values())
     assert row.flat_compute_ms == pytest.approx(
