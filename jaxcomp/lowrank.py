@@ -377,7 +377,7 @@ def powersgd(
                   warm_start=warm_start, seed=seed),
       axes=axes, state=PowerSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True,
-      seed=None if warm_start else seed))
+      seed=None if warm_start else seed, linear_payload=True))
 
 
 # --------------------------------------------------------------------- ACP-SGD
@@ -521,4 +521,4 @@ def acpsgd(
       config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
                   seed=seed),
       axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
-      layout=_layout(rank, min_compression_rate), error_feedback=True))
+      layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True))

@@ -15,7 +15,9 @@ the rest, once, for every method:
 3. error feedback: ``c = g + e`` (:mod:`jaxcomp.error_feedback`);
 4. the finiteness test, one reduction over the fused bucket: a device that
    holds a NaN or Inf sends NaN in every floating payload (the *poison*), so
-   the mean is non-finite on every device, whatever its payload dropped;
+   the mean is non-finite on every device, whatever its payload dropped (a
+   method whose payload is linear in the gradient needs neither: the NaN
+   travels in it by itself);
 5. the exchange scaled before the sum (every payload divided by ``P``), so
    a mean that fits in f32 never overflows on the way;
 6. the new state (residual, the method's fields, the step ``count``, the
@@ -244,6 +246,12 @@ class Method:
     propagates_nonfinite: the exchange is a dense sum of the gradient, which
       carries a NaN or Inf to every device by itself, and there is no state
       to protect: no finiteness test, no poison.
+    linear_payload: every payload is a linear map of the corrected gradient
+      (matrix products, the dense leaves as they are), so a NaN or Inf in it
+      reaches the mean by itself (``x * 0`` is NaN for a non-finite ``x``):
+      no finiteness test of the corrected gradient and no poison, a pass
+      over it saved; the mean's test (or its witness's) still keeps the
+      state.
   """
 
   name: str
@@ -258,6 +266,7 @@ class Method:
   prepare: Optional[Callable] = None
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
+  linear_payload: bool = False
 
 
 def _has(state_class: type, field: str) -> bool:
@@ -341,7 +350,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
                    else flat + bucket.flatten(state.residual))
     else:
       corrected = flat
-    if not method.propagates_nonfinite:
+    if not (method.propagates_nonfinite or method.linear_payload):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
       ctx = dataclasses.replace(ctx, finite=all_finite(corrected))
