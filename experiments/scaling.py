@@ -234,8 +234,10 @@ def markdown(args, sparse, lowrank, torus, two_level) -> str:
       f" {min(speedups):.2f} to {max(speedups):.2f} (seed: 1.43x on average). The"
       " traffic halves, and the compression compute, measured on CPU, is"
       f" {compute.NS_PER_ELEMENT['acpsgd'].ns_per_element:g} ns per element for ACP-SGD"
-      f" against {compute.NS_PER_ELEMENT['powersgd'].ns_per_element:g} for PowerSGD: where"
-      " the exchange is short, that difference decides, not the bytes.",
+      f" against {compute.NS_PER_ELEMENT['powersgd'].ns_per_element:g} for PowerSGD"
+      " beyond a dense step's (the compute per step above is the same for both): where the"
+      " exchange is short, the speed-up goes to 1, as the exchange is then a small part of"
+      " the step.",
       "",
       f"## 3. 2D torus vs flat ring (ResNet-50 fp16 dense all-reduce, {args.fast_gbit:g}"
       f" Gbit/s, {args.fast_latency_us:g} us per message, compute {args.torus_compute_s:g} s)",
