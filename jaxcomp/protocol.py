@@ -172,6 +172,8 @@ class Spec:
     wire: ``wire(shapes, axis_sizes, steps) -> WireCost``, the transfers of
       one step for gradients shaped like ``shapes``; ``axis_sizes`` maps each
       of ``axes`` to its size, and each transfer names the axes it crosses.
+    fused: the compressor's :class:`Fused` path; ``None`` for a wrapper
+      (:func:`jaxcomp.hierarchical`), which has none.
   """
 
   name: str

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hlo_counts
 from experiments import shapes
 from jaxcomp import dense as dense_lib
 from jaxcomp import lowrank
@@ -317,3 +318,19 @@ def test_bad_warm_start_and_mismatched_updates():
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="shape"):
     tx.update({**PARAMS, "small": jnp.zeros((3, 3))}, state)
+
+
+@pytest.mark.parametrize("factory", [lowrank.powersgd, lowrank.acpsgd])
+def test_no_finiteness_pass_over_the_corrected_gradient(factory):
+  """The factors are products of the gradient and carry a NaN by themselves: the
+  compiled step reduces no gradient-sized buffer (only factors and norms)."""
+  params = {f"w{i}": jnp.zeros((512, 512)) for i in range(4)}
+  n = 4 * 512 * 512
+  mesh = training.make_mesh(1)
+  tx = factory(4, "data")
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  text = training.make_update(tx, mesh, "data").lower(grads, state).compile().as_text()
+  reductions = [row for row in hlo_counts.count(text, n).heaviest
+                if row[3].endswith("reduce_sum")]
+  assert sum(row[0] for row in reductions) < 0.1, reductions
