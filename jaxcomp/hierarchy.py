@@ -189,7 +189,8 @@ def hierarchical(
     # only beyond 3.4e38 / X, and a non-finite mean skips the step.
     shard = shard / fast_size
     # The shard goes in and its mean comes out flat, in the compressor's order:
-    # no round trip through the shard's leaves.
+    # no tree of the shard's leaves to fuse again, no flat mean split into leaves
+    # to be concatenated again.
     mean, inner_state, ok = fused.update(shard, like, state.inner)
     gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
     gathered = gathered.reshape(fast_size, -1)

@@ -189,8 +189,10 @@ class Fused:
 
   A wrapper that builds the flat gradient itself (:func:`jaxcomp.hierarchical`
   reduce-scatters it) lays it out in the compressor's bucket order, hands it
-  over flat and takes the mean back flat: no round trip through the leaves.
-  The results are those of the compressor's ``update`` on the same leaves.
+  over flat and takes the mean back flat: the compressor reads its leaves as
+  slices of it, and no tree of leaves is built to be fused again, nor a
+  flat mean split into leaves to be concatenated again. The results are
+  those of the compressor's ``update`` on the same leaves, bit for bit.
 
   Attributes:
     layout: ``layout(tree) -> Bucket``: the compressor's bucket of ``tree``
