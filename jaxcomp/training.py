@@ -332,8 +332,8 @@ def _guarded_update(tx, loss_fn, has_aux, skip_nonfinite):
     finite = protocol.all_finite(fusion.Bucket.of(updates).flatten(updates))
     new_params = optax.apply_updates(params, updates)
     if skip_nonfinite:
-      new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
-      new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+      new_params = protocol.keep_if(finite, new_params, params)
+      new_state = protocol.keep_if(finite, new_state, state)
     metrics = {"loss": loss, "finite": finite}
     if has_aux:
       metrics["aux"] = aux
@@ -580,8 +580,8 @@ def make_fsdp_step(
     finite = jax.lax.pmin(finite.astype(jnp.int32), axes) > 0
     new_shard = optax.apply_updates(shard, updates)
     if skip_nonfinite:
-      new_shard = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_shard, shard)
-      new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+      new_shard = protocol.keep_if(finite, new_shard, shard)
+      new_state = protocol.keep_if(finite, new_state, state)
     add_axis = lambda x: jnp.expand_dims(x, 0)
     metrics = {"loss": loss, "finite": finite}
     return new_shard, local_to_blocks(new_state), jax.tree.map(add_axis, metrics)
