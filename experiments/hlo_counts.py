@@ -118,8 +118,9 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
                     operand_shapes: dict) -> int:
   """Bytes a fusion reads and writes: sliced operands by their slices, in-place roots by the update.
 
-  A loop fusion computes each output element once from about one element of
-  each operand (a slice of a larger computation is computed on the slice).
+  A loop fusion without a reduction computes each output element once from
+  about one element of each operand (a slice of a larger computation is
+  computed on the slice).
   """
   users: dict[str, list[_Instruction]] = {}
   for inner in fused:
@@ -128,7 +129,10 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
   params = {_parameter_index(p): p for p in fused if p.op == "parameter"}
   root = fused[-1] if fused else None
   in_place = root.operands[0] if root is not None and root.op in _IN_PLACE else None
-  loop = "kind=kLoop" in instruction.attributes
+  # A loop fusion that reduces (a row of packed mask bits per output word)
+  # reads many elements per output element.
+  loop = ("kind=kLoop" in instruction.attributes
+          and not any(inner.op == "reduce" for inner in fused))
   out_elements = _elements(instruction.shape)
   total = 0
   for position, operand in enumerate(instruction.operands):

@@ -223,43 +223,48 @@ def dgc(
       scale = jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
     sparse = _sparse(ctx.bucket, where)
     # Leaf by leaf, scaled on the way: slices of the fused gradient are its
-    # leaves, so no fused copy of the gradient or the momentum is made.
+    # leaves, so no fused copy of the gradient or the momentum is made, and
+    # the protocol adds each leaf's residual before the one concatenation.
     momenta = jax.tree.leaves(state.momentum)
     pairs = [accumulate(momenta[i], g * scale)
              for i, g in zip(sparse.leaves, sparse.split(gradient[:sparse.size]))]
-    acc = [a.reshape(-1) for _, a in pairs] + [gradient[sparse.size:] * scale]
-    return fusion.concat(acc), [u for u, _ in pairs]
+    dense = [g * scale for g in ctx.bucket.split(gradient)[len(sparse.leaves):]]
+    return [a for _, a in pairs] + dense, [u for u, _ in pairs]
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
     means, kept, momenta, witness = [], [], [], []
     if sparse.size:
-      velocity = corrected[:sparse.size]
 
       def exchange(k):
+        # The velocity is the head of ``corrected``, selected where it lies.
         if sample_ratio == 1.0:
-          values, indices = selection.select_topk(velocity, k)
+          values, indices = selection.select_topk(corrected[:sparse.size], k)
         else:
-          values, indices = selection.sampled_topk(velocity, k, k, ctx.key, sample_ratio)
+          values, indices = selection.sampled_topk(
+              corrected, k, k, ctx.key, sample_ratio, size=sparse.size)
         all_values, all_indices = ctx.sparse_allgather(values, indices)
+        # 0, or NaN when a gathered value is not finite (then so is the mean):
+        # the k-sized test stands in for one over the n-sized mean.
+        check = jnp.sum(all_values - all_values)
         return (collectives.densify(all_values, all_indices, sparse.size),
-                error_feedback.sent_mask(sparse.size, indices))
+                error_feedback.sent_mask(sparse.size, indices), check)
 
       ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
         # The stages' k differ, so a branch returns the n-sized mean and an
         # n-byte mask of what was sent, not its indices.
-        sparse_mean, sent = ctx.switch(
+        sparse_mean, sent, check = ctx.switch(
             _stage(ctx.count, warmup_steps), [functools.partial(exchange, k) for k in ks])
       else:
-        sparse_mean, sent = exchange(ks[-1])
+        sparse_mean, sent, check = exchange(ks[-1])
       # What was sent leaves the velocity, and its momentum is masked, leaf by
       # leaf: no n-sized copy to scatter into and split again.
       sent = sparse.split(sent)
-      kept = error_feedback.zero_sent(sent, sparse.split(velocity))
+      kept = error_feedback.zero_sent(sent, sparse.split(corrected[:sparse.size]))
       momenta = error_feedback.zero_sent(sent, ctx.carry)
       means = sparse.split(sparse_mean)
-      witness.append(sparse_mean)
+      witness.append(check)
     if dense.size:
       u, out = accumulate(dense.flatten(state.momentum), ctx.mean(corrected[sparse.size:]))
       means += dense.split(out)

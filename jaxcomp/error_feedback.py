@@ -48,6 +48,13 @@ def compensated_leaves(bucket: fusion.Bucket, updates: optax.Updates,
   return [leaves[i].astype(jnp.float32) + residuals[i] for i in bucket.leaves]
 
 
+def add_residual(bucket: fusion.Bucket, parts: Sequence[jax.Array],
+                 residual: optax.Params) -> list[jax.Array]:
+  """``parts`` (one f32 array per bucket leaf, in the bucket's order) plus their residual, raveled."""
+  residuals = jax.tree.leaves(residual)
+  return [p.reshape(-1) + residuals[i].reshape(-1) for i, p in zip(bucket.leaves, parts)]
+
+
 def sent_mask(n: int, indices: jax.Array) -> jax.Array:
   """``bool[n]``: true at ``indices`` (any shape; ``EMPTY_INDEX`` slots dropped)."""
   return jnp.zeros(n, jnp.bool_).at[indices.reshape(-1)].set(True, mode="drop")

@@ -242,8 +242,11 @@ class Method:
     init: ``init(params, bucket) -> dict`` of the method's own fields.
     layout: ``layout(tree) -> Bucket``: which leaves, in which order.
     error_feedback: keep a per-device residual (``state.residual``).
-    prepare: ``prepare(ctx, g, state) -> (g, carry)`` on the fused gradient
-      before error feedback (DGC's clipping and momentum correction).
+    prepare: ``prepare(ctx, g, state) -> (parts, carry)`` on the fused
+      gradient ``g`` before error feedback (DGC's clipping and momentum
+      correction); ``parts``: one f32 array per bucket leaf (any shape of the
+      leaf's size), to which each leaf's residual is added before the one
+      concatenation.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
       keeps itself.
@@ -339,10 +342,11 @@ def compressor(method: Method) -> optax.GradientTransformation:
       new["rng_key"] = jax.random.key_data(next_key)
 
     if method.prepare is not None:
-      gradient, carry = method.prepare(ctx, bucket.flatten(updates), state)
+      prepared, carry = method.prepare(ctx, bucket.flatten(updates), state)
       ctx = dataclasses.replace(ctx, carry=carry)
-      corrected = (gradient + bucket.flatten(state.residual) if method.error_feedback
-                   else gradient)
+      corrected = fusion.concat(
+          error_feedback.add_residual(bucket, prepared, state.residual)
+          if method.error_feedback else [p.reshape(-1) for p in prepared])
     elif method.error_feedback:
       corrected = error_feedback.compensate(bucket, updates, state.residual)
     else:

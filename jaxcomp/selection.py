@@ -221,7 +221,7 @@ def threshold_candidates(
 
 def sampled_topk(
     x: jax.Array, capacity: int, k, key: jax.Array, sample_ratio: float,
-    tuning: Optional[Tuning] = None,
+    tuning: Optional[Tuning] = None, *, size: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
   """About the ``k`` largest magnitudes of ``x``, by a sampled threshold (DGC).
 
@@ -251,23 +251,34 @@ def sampled_topk(
     sample_ratio: share of ``x`` sampled, in (0, 1).
     tuning: the tunables (:class:`Tuning`; ``oversample``,
       ``candidate_factor`` and ``min_fraction`` are read).
+    size: select among ``x[:size]`` only (default: all of ``x``). A caller
+      whose bucket ends in leaves it does not sparsify passes the whole
+      bucket: the head is read where it lies, never copied out.
 
   Returns:
     ``(values [capacity], int32 indices [capacity])``; slots past the number
     selected hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
-  if capacity >= x.shape[0]:
-    return select_topk(x, capacity, k)
+  if size is None or size == x.shape[0]:
+    size = x.shape[0]
+  else:
+    # XLA rewrites a slice of a concatenation into a second concatenation
+    # (an n-sized copy); behind the barrier the head is read in place.
+    x = lax.optimization_barrier(x)
+  if capacity >= size:
+    return select_topk(x[:size], capacity, k)
   tuning = tuning or Tuning()
-  candidates = candidate_capacity(x.shape[0], capacity, tuning)
+  candidates = candidate_capacity(size, capacity, tuning)
   k = jnp.asarray(k, jnp.int32)
-  index, total = threshold_candidates(x, k, key, sample_ratio, candidates, tuning)
+  index, total = threshold_candidates(x[:size], k, key, sample_ratio, candidates, tuning)
   enough = total.astype(jnp.float32) >= tuning.min_fraction * k.astype(jnp.float32)
   fits = total <= candidates
+  # The branches take the whole ``x`` and slice it inside: a slice handed to
+  # a ``cond`` would be copied out first, an n-sized copy every step.
   return lax.cond(
       enough & fits,
       lambda: _largest_candidates(x, index, total, k, capacity),
-      lambda: select_topk(x, capacity, k))
+      lambda: select_topk(x[:size], capacity, k))
 
 
 def _largest_candidates(x, index, total, k, capacity):

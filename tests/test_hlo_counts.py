@@ -37,6 +37,15 @@ def test_a_slice_reads_only_the_slice(x):
   chex.assert_trees_all_close(counts.passes, 0.5)
 
 
+def test_a_row_reduction_reads_every_row(x):
+  # Packing a mask into words (as the selection's compaction does) is a loop
+  # fusion whose 1/32-sized output reads the whole input.
+  def pack(v):
+    bits = (jnp.abs(v) > 1.0).reshape(-1, 32).astype(jnp.uint32)
+    return jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+  chex.assert_trees_all_close(_counts(pack, x).passes, 1.0 + 1 / 32, atol=1e-3)
+
+
 def test_splitting_into_parts_is_one_read_and_one_write(x):
   counts = _counts(lambda v: [p * 2 for p in jnp.split(v, 4)], x)
   assert counts.kernels == 4
