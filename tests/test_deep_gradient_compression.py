@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hlo_counts
 from jaxcomp import dense
 from jaxcomp import deep_gradient_compression as dgc
 from jaxcomp import training
@@ -408,3 +409,23 @@ def test_bad_arguments_raise_value_error(kwargs, match):
 def test_bad_argument_types_raise_type_error(kwargs, match):
   with pytest.raises(TypeError, match=match):
     dgc.dgc(0.01, "data", **kwargs)
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 8])
+def test_the_velocity_is_selected_in_place(warmup_steps):
+  """The compiled step copies no head of the corrected gradient out for the
+  selection (only the mean is split into leaves: one read, one write) and
+  reduces the gradient-sized buffers twice (the finiteness test, the
+  threshold's count), not a third time over the mean."""
+  params = {f"w{i}": jnp.zeros((512, 512)) for i in range(4)} | {"b": jnp.zeros((512,))}
+  n = 4 * 512 * 512 + 512
+  mesh = training.make_mesh(1)
+  tx = dgc.dgc(0.001, "data", warmup_steps=warmup_steps)
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  text = training.make_update(tx, mesh, "data").lower(grads, state).compile().as_text()
+  heaviest = hlo_counts.count(text, n).heaviest
+  slices = sum(row[0] for row in heaviest if row[3].endswith("/slice"))
+  reductions = sum(row[0] for row in heaviest if row[3].endswith("reduce_sum"))
+  assert slices < 2.1, heaviest
+  assert reductions < 2.1, heaviest

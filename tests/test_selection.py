@@ -165,6 +165,22 @@ def test_sampled_topk_falls_back_when_the_count_is_off():
   np.testing.assert_array_equal(np.sort(np.asarray(indices)), np.arange(0, 4 * k, 4))
 
 
+@pytest.mark.parametrize("ratio", [0.02, 1.0])
+@pytest.mark.parametrize("equal", [False, True])
+def test_sampled_topk_of_a_head_ignores_the_tail(ratio, equal):
+  """``size=`` selects among ``x[:size]`` exactly as on the head alone, both branches."""
+  n, k = 65536, 400
+  head = np.ones(n, np.float32) if equal else _normal(n, 5)  # equal: the fallback branch
+  tail = np.full(1000, 1e6, np.float32)  # would be chosen if the head's end were ignored
+  whole = jnp.asarray(np.concatenate([head, tail]))
+  key = jax.random.key(2)
+  alone = jax.jit(lambda x: selection.sampled_topk(x, k, k, key, ratio))(jnp.asarray(head))
+  in_place = jax.jit(
+      lambda x: selection.sampled_topk(x, k, k, key, ratio, size=n))(whole)
+  harness.assert_bitwise_equal(in_place, alone)
+  assert int(np.max(np.asarray(in_place[1]))) < n
+
+
 def test_sampled_topk_reads_its_tuning():
   """A candidate buffer too small for the count above the threshold: the exact fallback."""
   n, k = 65536, 400
