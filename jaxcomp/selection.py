@@ -259,6 +259,9 @@ def sampled_topk(
     ``(values [capacity], int32 indices [capacity])``; slots past the number
     selected hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
+  if size is not None and not (isinstance(size, int) and 1 <= size <= x.shape[0]):
+    raise ValueError(f"`size` must be an int in [1, {x.shape[0]}] (the length of `x`),"
+                     f" got {size!r}")
   if size is None or size == x.shape[0]:
     size = x.shape[0]
   else:

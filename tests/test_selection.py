@@ -181,6 +181,12 @@ def test_sampled_topk_of_a_head_ignores_the_tail(ratio, equal):
   assert int(np.max(np.asarray(in_place[1]))) < n
 
 
+@pytest.mark.parametrize("size", [0, 4097, 2.5])
+def test_sampled_topk_refuses_a_head_outside_x(size):
+  with pytest.raises(ValueError, match=r"`size` must be an int in \[1, 4096\]"):
+    selection.sampled_topk(jnp.ones(4096), 40, 40, jax.random.key(0), 0.1, size=size)
+
+
 def test_sampled_topk_reads_its_tuning():
   """A candidate buffer too small for the count above the threshold: the exact fallback."""
   n, k = 65536, 400
