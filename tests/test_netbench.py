@@ -1,5 +1,6 @@
 """netbench: the launcher end to end (P = 2, loopback), the network namespaces when root."""
 
+import fcntl
 import json
 import os
 import random
@@ -7,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -31,9 +33,22 @@ ROW_KEYS = {
     "expected_bytes": float, "step_times_s": list, "outputs_identical": bool,
     "workers": list, "status": str, "config": dict,
 }
-needs_netns = pytest.mark.skipif(
-    network.available() is not None,
-    reason=f"network namespaces unavailable: {network.available()}")
+
+
+@pytest.fixture
+def one_netns_test_at_a_time():
+  """The namespace tests share PREFIX and SUBNET: pytest-xdist's workers take turns."""
+  with open(os.path.join(tempfile.gettempdir(), "jaxcomp-netns-tests.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    yield
+
+
+def needs_netns(test):
+  """Skipped without network namespaces; run by one xdist worker at a time."""
+  test = pytest.mark.usefixtures("one_netns_test_at_a_time")(test)
+  return pytest.mark.skipif(
+      network.available() is not None,
+      reason=f"network namespaces unavailable: {network.available()}")(test)
 
 
 def _bench(tmp_path, *flags, timeout=300):
