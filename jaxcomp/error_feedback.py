@@ -44,15 +44,16 @@ def compensate(bucket: fusion.Bucket, updates: optax.Updates, residual: optax.Pa
 def compensated_leaves(bucket: fusion.Bucket, updates: optax.Updates,
                        residual: optax.Params) -> list[jax.Array]:
   """The bucket's leaves of ``g + e``, f32, each in its leaf's shape (the same sums)."""
-  leaves, residuals = jax.tree.leaves(updates), jax.tree.leaves(residual)
-  return [leaves[i].astype(jnp.float32) + residuals[i] for i in bucket.leaves]
+  leaves = jax.tree.leaves(updates)
+  return add_residual(bucket, [leaves[i].astype(jnp.float32) for i in bucket.leaves], residual)
 
 
 def add_residual(bucket: fusion.Bucket, parts: Sequence[jax.Array],
                  residual: optax.Params) -> list[jax.Array]:
-  """``parts`` (one f32 array per bucket leaf, in the bucket's order) plus their residual, raveled."""
+  """``parts`` (one f32 array per bucket leaf, in the bucket's order, any shape
+  of the leaf's size) plus their leaves' residual, in the parts' shapes."""
   residuals = jax.tree.leaves(residual)
-  return [p.reshape(-1) + residuals[i].reshape(-1) for i, p in zip(bucket.leaves, parts)]
+  return [p + residuals[i].reshape(p.shape) for i, p in zip(bucket.leaves, parts)]
 
 
 def sent_mask(n: int, indices: jax.Array) -> jax.Array:

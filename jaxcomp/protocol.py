@@ -344,9 +344,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
     if method.prepare is not None:
       prepared, carry = method.prepare(ctx, bucket.flatten(updates), state)
       ctx = dataclasses.replace(ctx, carry=carry)
-      corrected = fusion.concat(
-          error_feedback.add_residual(bucket, prepared, state.residual)
-          if method.error_feedback else [p.reshape(-1) for p in prepared])
+      if method.error_feedback:
+        prepared = error_feedback.add_residual(bucket, prepared, state.residual)
+      corrected = fusion.concat([p.reshape(-1) for p in prepared])
     elif method.error_feedback:
       corrected = error_feedback.compensate(bucket, updates, state.residual)
     else:
