@@ -247,12 +247,22 @@ def test_flat_ring_and_torus_are_different_programs():
   assert torus == torus_formula == {("local",): n, ("node",): n / 2}
 
 
-@pytest.mark.parametrize("row", ["gtopk", "hierarchical_gtopk"])
+@pytest.mark.parametrize("row", ["gtopk", "hierarchical_gtopk", "hierarchical_gtopk_bf16"])
 def test_gtopk_rows_send_by_the_formula(row):
   program, formula = _program_and_formula(row)
   assert program == formula and set(program) == {("node",), ("local",)}
-  if row == "hierarchical_gtopk":  # dense inside a node, sparse between nodes
+  if row.startswith("hierarchical_gtopk"):  # dense inside a node, sparse between nodes
     assert program[("local",)] > 100 * program[("node",)]
+
+
+def test_the_bf16_row_halves_the_bytes_inside_a_node_only():
+  f32, _ = _program_and_formula("hierarchical_gtopk")
+  bf16, _ = _program_and_formula("hierarchical_gtopk_bf16")
+  assert bf16[("node",)] == f32[("node",)]
+  # the dense reduce-scatter and all-gather halve (2-byte elements); the
+  # all-reduce of the int32 skip flag over 2 devices, 2 (2 - 1) / 2 * 4 bytes, stays
+  flag = 4.0
+  assert bf16[("local",)] - flag == (f32[("local",)] - flag) / 2
 
 
 def test_link_bytes_from_axes_split_the_flat_ring_by_its_hops():

@@ -9,7 +9,8 @@ Two levels: the mesh is ``(nodes, L)`` with the axes :data:`MESH_AXES`
 (slow, then fast), processes ``n L`` to ``n L + L - 1`` on node ``n``, and
 the rows are :data:`TWO_LEVEL_ROWS`: the dense mean as one flat ring and as
 the 2D torus, flat gTop-k over both axes, and :func:`jaxcomp.hierarchical`
-around a compressor over the slow axis.
+around a compressor over the slow axis (gTop-k also with bfloat16 on the
+links inside a node).
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ TWO_LEVEL_ROWS = {
                        " a node, all-reduce of the 1/L chunk between nodes",
     "gtopk": "gTop-k butterfly over both axes",
     "hierarchical_gtopk": "hierarchical(gtopk over node)",
+    "hierarchical_gtopk_bf16": "hierarchical(gtopk over node), bfloat16 on the links inside"
+                               " a node (fast_dtype)",
     "hierarchical_dgc": "hierarchical(dgc over node)",
     "hierarchical_powersgd": "hierarchical(powersgd over node)",
     "hierarchical_acpsgd": "hierarchical(acpsgd over node)",
 }
 _HIERARCHICAL = "hierarchical_"
+_BF16 = "_bf16"
 
 _SYNTHETIC_WIDTH = 128
 
@@ -72,7 +76,7 @@ def is_torch(method: str) -> bool:
 def jax_method(method: str) -> str:
   """The jaxcomp method a row is built (or priced) as (for two levels: the one inside)."""
   if method.startswith(_HIERARCHICAL):
-    return method[len(_HIERARCHICAL):]
+    return method[len(_HIERARCHICAL):].removesuffix(_BF16)
   if method.startswith("allreduce_"):
     return "allreduce"
   return TORCH_TWINS.get(method, method)
@@ -101,7 +105,8 @@ def build(method: str, mesh_shape: Optional[Mapping[str, int]] = None
   if method == "gtopk":
     return registry.build("gtopk", MESH_AXES, **config(method))
   inner = registry.build(jax_method(method), SLOW, **config(method))
-  return hierarchy.hierarchical(inner, FAST, mesh_shape[FAST])
+  fast_dtype = jnp.bfloat16 if method.endswith(_BF16) else None
+  return hierarchy.hierarchical(inner, FAST, mesh_shape[FAST], fast_dtype=fast_dtype)
 
 
 def flat_ring_allreduce(axes: Sequence[str]) -> optax.GradientTransformation:
