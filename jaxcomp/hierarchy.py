@@ -12,7 +12,10 @@ built over the slow axis:
 2. the compressor over the slow axis on that shard alone, its state (its
    residual, momentum, factors) sized to the shard, so each device
    compresses ``1/X`` of the gradient;
-3. a dense all-gather over the fast axis back to whole leaves.
+3. an all-gather over the fast axis back to whole leaves: dense, or for a
+   compressor whose mean has a compact form (the low-rank methods'
+   factors, :class:`jaxcomp.protocol.Message`), of that form, from which
+   every device forms every shard's mean.
 
 Shards are row blocks: a leaf of shape ``(d0, ..., dk)`` is viewed as the
 matrix ``(d0 ... d(k-1), dk)``, its rows padded with zeros to a multiple of
@@ -20,11 +23,13 @@ matrix ``(d0 ... d(k-1), dk)``, its rows padded with zeros to a multiple of
 pieces, a scalar is a vector of one. A low-rank method therefore factorises
 each row block on its own: ``M = [M_1; ...; M_X]`` is sent as ``X``
 independent rank-``r`` approximations ``M_j ~ P_j Q_j^T``, each over the slow
-axis.
+axis; the fast axis gathers the ``(P_j, Q_j)`` and every device forms all
+``X`` products.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -119,7 +124,8 @@ def hierarchical(
     fast_size: ``X``, its size (the state is built outside any mesh, so it
       is given here), an int >= 1.
     fast_dtype: ``None`` (f32) or a 16-bit float dtype for the dense
-      reduce-scatter and all-gather on the fast axis.
+      reduce-scatter and all-gather on the fast axis (a low-rank
+      compressor's factors are gathered in f32).
 
   Returns:
     An ``optax.GradientTransformation`` with state
@@ -131,8 +137,11 @@ def hierarchical(
   Wire (:func:`jaxcomp.wire.expected_bytes` gives it per axis in
   ``by_axes``): on the fast axis, a reduce-scatter and an all-gather of the ``X S``
   padded shard elements, ``(X - 1) / X * X S * w`` bytes each (``w`` bytes
-  per element: 4, or 2 with a 16-bit ``fast_dtype``), and for a compressor
-  with state to protect an all-reduce of one int32 (whether every shard's
+  per element: 4, or 2 with a 16-bit ``fast_dtype``), except that a
+  low-rank compressor's all-gather is of its factors and dense leaves'
+  mean, ``L`` f32 per shard (``r (m + n)`` per compressed ``m x n`` block,
+  plus the dense elements), ``(X - 1) / X * X L * 4`` bytes; and for a
+  compressor with state to protect an all-reduce of one int32 (whether every shard's
   step is kept, :func:`skip_flag`), ``2 (X - 1) / X * 4`` bytes; on the slow
   axis, the compressor's formula for gradients shaped like the shard
   (:func:`shard_shapes`).
@@ -191,12 +200,20 @@ def hierarchical(
     # The shard goes in and its mean comes out flat, in the compressor's order:
     # no tree of the shard's leaves to fuse again, no flat mean split into leaves
     # to be concatenated again.
-    mean, inner_state, ok = fused.update(shard, like, state.inner)
-    gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
-    gathered = gathered.reshape(fast_size, -1)
+    if fused.message is None:
+      mean, inner_state, ok = fused.update(shard, like, state.inner)
+      gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
+      parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
+    else:
+      # A low-rank mean is gathered as its factors and every shard's products
+      # formed here, straight into the leaves: no n-sized concatenation of
+      # products and no n-sized all-gather.
+      message, inner_state, ok = fused.update(shard, like, state.inner, compact=True)
+      messages = collectives.allgather(message, fast_axis)
+      means = jax.vmap(functools.partial(fused.message.decode, bucket))(messages)
+      parts = [m.reshape(fast_size, -1) for m in means]
     result = fusion.scatter_leaves(updates, {
-        i: _unblocks(part, leaves[i])
-        for i, part in zip(bucket.leaves, _split(gathered, widths, axis=1))})
+        i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)})
     if ok is not None:
       # Each shard's slow group decides on its own shard; a step skipped on one
       # shard is skipped on all (one int32 on the fast axis, not a test of the mean).
@@ -207,11 +224,11 @@ def hierarchical(
   def wire_cost(shapes, sizes, steps):
     fast = sizes[fast_axis]
     shard = shard_shapes(shapes, fast_size)
-    padded = fast * fusion.Bucket.of(shard).size
-    itemsize = 4 if wire_dtype is None else wire_dtype.itemsize
-    scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
-    fast_cost = (wire.transfer(scatter, fast, padded * itemsize, (fast_axis,)),
-                 wire.transfer(wire.Kind.ALL_GATHER, fast, padded * itemsize, (fast_axis,)))
+    scatter, gather = dense_transfers(shapes, fast_axis, fast, wire_dtype)
+    if fused.message is not None:
+      gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
+                             fast * fused.message.size(fused.layout(shard)) * 4, (fast_axis,))
+    fast_cost = (scatter, gather)
     if not fused.propagates_nonfinite:
       fast_cost += (skip_flag(fast_axis, fast),)
     slow_sizes = {a: sizes[a] for a in inner_spec.axes}
@@ -222,6 +239,20 @@ def hierarchical(
       config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
       axes=inner_spec.axes + (fast_axis,), wire=wire_cost))
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dense_transfers(shapes: optax.Params, fast_axis: str, fast_size: int,
+                    wire_dtype: Any = None) -> tuple[wire.Transfer, wire.Transfer]:
+  """The dense reduce-scatter and all-gather over the fast axis of gradients shaped like ``shapes``.
+
+  ``X S`` padded elements each (``S``: the elements of :func:`shard_shapes`),
+  f32 or ``wire_dtype`` (16 bits: the reduce-scatter is an all-to-all).
+  """
+  padded = fast_size * fusion.Bucket.of(shard_shapes(shapes, fast_size)).size
+  itemsize = 4 if wire_dtype is None else jnp.dtype(wire_dtype).itemsize
+  scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
+  return (wire.transfer(scatter, fast_size, padded * itemsize, (fast_axis,)),
+          wire.transfer(wire.Kind.ALL_GATHER, fast_size, padded * itemsize, (fast_axis,)))
 
 
 def skip_flag(fast_axis: str, fast_size: int) -> wire.Transfer:

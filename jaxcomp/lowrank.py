@@ -240,9 +240,30 @@ def _view_of(bucket: fusion.Bucket, rank: int, min_compression_rate: float) -> M
   return MatrixView.of(shapes, rank, min_compression_rate)
 
 
-def _leaf_means(view: MatrixView, approx, dense_mean: jax.Array) -> list[jax.Array]:
-  """The mean per bucket leaf: the low-rank products, then the dense leaves' slices."""
-  return list(approx) + view.dense.split(dense_mean)
+def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array) -> list:
+  """The mean per bucket leaf from the mean's flat ``P`` and ``Q`` buffers and the dense
+  leaves' mean: the low-rank products, then the dense leaves' slices."""
+  return _products(view.p_factors(p), view.q_factors(q)) + view.dense.split(dense_mean)
+
+
+def _message(rank: int, min_compression_rate: float) -> protocol.Message:
+  """Both methods' mean as its factors: ``f32[p_size + q_size + dense.size]``, ``[P, Q, dense]``.
+
+  A caller that gathers the means of many shards (:func:`jaxcomp.hierarchical`)
+  gathers these instead, a ``rank (m + n) / (m n)`` share of each compressed
+  leaf, and forms each shard's ``P Q^T`` itself.
+  """
+
+  def size(bucket: fusion.Bucket) -> int:
+    view = _view_of(bucket, rank, min_compression_rate)
+    return view.p_size + view.q_size + view.dense.size
+
+  def decode(bucket: fusion.Bucket, message: jax.Array) -> list:
+    view = _view_of(bucket, rank, min_compression_rate)
+    p, q, dense_mean = jnp.split(message, [view.p_size, view.p_size + view.q_size])
+    return _mean_of(view, p, q, dense_mean)
+
+  return protocol.Message(size, decode)
 
 
 def _leaf_residuals(view: MatrixView, corrected: jax.Array, sent) -> list:
@@ -352,19 +373,20 @@ def powersgd(
     local_p = [jnp.einsum("gmn,gnr->gmr", m, q)
                for m, q in zip(matrices, view.q_factors(q_start))]
     reduced = ctx.mean(jnp.concatenate([_join(local_p), corrected[view.lowrank.size:]]))
-    p_hat = view.p_factors(view.uncolumns(
-        _orthonormalize(view.columns(reduced[:view.p_size], "p")), "p"))
+    p_flat = view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p")
+    p_hat = view.p_factors(p_flat)
     local_q = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_hat)]
     q_mean = ctx.mean(_join(local_q))
-    approx = _products(p_hat, view.q_factors(q_mean))
     sent = _products(p_hat, local_q)
     new_q = view.uncolumns(
         _refill(view.columns(q_mean, "q"), view.columns(q_start, "q")), "q")
+    dense_mean = reduced[view.p_size:]
     return protocol.Output(
-        mean=_leaf_means(view, approx, reduced[view.p_size:]),
+        mean=_mean_of(view, p_flat, q_mean, dense_mean),
         residual=_leaf_residuals(view, corrected, sent),
         state={"q": new_q},
-        witness=(reduced, q_mean))
+        witness=(reduced, q_mean),
+        message=jnp.concatenate([p_flat, q_mean, dense_mean]))
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -377,7 +399,8 @@ def powersgd(
                   warm_start=warm_start, seed=seed),
       axes=axes, state=PowerSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True,
-      seed=None if warm_start else seed, linear_payload=True))
+      seed=None if warm_start else seed, linear_payload=True,
+      message=_message(rank, min_compression_rate)))
 
 
 # --------------------------------------------------------------------- ACP-SGD
@@ -502,13 +525,13 @@ def acpsgd(
     ortho = _orthonormalize(_refill(fresh, old))
     new_p = jnp.where(even, view.uncolumns(ortho, "p"), state.p)
     new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
-    approx = _products(view.p_factors(p_mean), view.q_factors(q_mean))
     sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
     return protocol.Output(
-        mean=_leaf_means(view, approx, dense_mean),
+        mean=_mean_of(view, p_mean, q_mean, dense_mean),
         residual=_leaf_residuals(view, corrected, sent),
         state={"p": new_p, "q": new_q},
-        witness=(p_mean, q_mean, dense_mean))
+        witness=(p_mean, q_mean, dense_mean),
+        message=jnp.concatenate([p_mean, q_mean, dense_mean]))
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -521,4 +544,5 @@ def acpsgd(
       config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
                   seed=seed),
       axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
-      layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True))
+      layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True,
+      message=_message(rank, min_compression_rate)))

@@ -31,7 +31,8 @@ configuration, its axes and its wire formula) on its ``update`` function, so
 :func:`jaxcomp.wire.expected_bytes` prices them. A compressor's spec also
 holds its :class:`Fused` path: the same steps for a wrapper that hands over
 the gradient already fused and takes the mean back fused
-(:func:`jaxcomp.hierarchical`).
+(:func:`jaxcomp.hierarchical`), or, for a method whose mean has a compact
+form (:class:`Message`: the low-rank methods' factors), takes that form back.
 """
 
 from __future__ import annotations
@@ -153,12 +154,34 @@ class Output(NamedTuple):
       low-rank method's factors, a sparsifier's gathered values), to test
       instead of the n-sized mean;
       ``None``: test ``mean``.
+    message: for a method with a :class:`Message`, the mean in its compact
+      form (``f32[message.size(bucket)]``, identical on every device), from
+      which ``message.decode`` rebuilds ``mean``.
   """
 
   mean: Mean
   residual: Any = None
   state: Mapping[str, Any] = {}
   witness: Any = None
+  message: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+  """A mean that has a compact form: a low-rank method's factors, far smaller than the mean.
+
+  A wrapper that gathers every shard's mean (:func:`jaxcomp.hierarchical`)
+  gathers the messages and decodes each, instead of gathering the means.
+
+  Attributes:
+    size: ``size(bucket) -> int``, the message's length in f32 elements.
+    decode: ``decode(bucket, message) -> mean``: ``f32[size(bucket)]`` to
+      the mean, as :attr:`Output.mean` (flat, or one array per bucket
+      leaf), the same bits as the step's ``mean``.
+  """
+
+  size: Callable[[fusion.Bucket], int]
+  decode: Callable[[fusion.Bucket, jax.Array], Mean]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +221,7 @@ class Fused:
     layout: ``layout(tree) -> Bucket``: the compressor's bucket of ``tree``
       (which leaves, in which order); ``tree``'s leaves may be
       ``jax.ShapeDtypeStruct``.
-    update: ``update(flat, like, state) -> (mean, new_state, ok)``, inside
+    update: ``update(flat, like, state, compact=False) -> (mean, new_state, ok)``, inside
       ``shard_map`` over the compressor's axes. ``like``: the leaves'
       shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``), shaped like
       the state's parameters; ``flat``: the gradient, ``f32[bucket.size]``
@@ -210,16 +233,19 @@ class Fused:
       ``ok``: bool scalar, the same on every device of the compressor's
       axes: the mean is finite and ``new_state`` may be kept; ``None``
       when ``propagates_nonfinite``. Keep ``new_state`` only where the
-      caller's ``ok`` holds, as ``update`` does.
+      caller's ``ok`` holds, as ``update`` does. With ``compact`` (for a
+      method with a ``message`` only), ``mean`` is the step's
+      :attr:`Output.message` instead.
     propagates_nonfinite: the method's dense exchange carries a non-finite
       value to every device by itself and it has no state to protect, so
       there is no ``ok`` to combine.
+    message: the method's :class:`Message`, or ``None``.
   """
 
   layout: Callable[[chex.ArrayTree], fusion.Bucket]
-  update: Callable[[jax.Array, chex.ArrayTree, Any],
-                   tuple[jax.Array, Any, Optional[jax.Array]]]
+  update: Callable[..., tuple[jax.Array, Any, Optional[jax.Array]]]
   propagates_nonfinite: bool = False
+  message: Optional[Message] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +285,8 @@ class Method:
       no finiteness test of the corrected gradient and no poison, a pass
       over it saved; the mean's test (or its witness's) still keeps the
       state.
+    message: the compact form of the mean, when there is one
+      (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
   """
 
   name: str
@@ -274,6 +302,7 @@ class Method:
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
   linear_payload: bool = False
+  message: Optional[Message] = None
 
 
 def _has(state_class: type, field: str) -> bool:
@@ -329,9 +358,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
     return method.state(**values)
 
   def step(updates: optax.Updates, state, bucket: fusion.Bucket):
-    """``(mean, new_state, ok)`` of a bucket of at least one element (see :class:`Fused`).
+    """``(out, new_state, ok)`` of a bucket of at least one element (see :class:`Fused`).
 
-    ``mean`` is the method's :attr:`Output.mean` (flat, or one array per leaf).
+    ``out`` is the method's :class:`Output`.
     """
     ctx = Context(bucket, method.axes, base.axis_sizes(method.axes),
                   state.count if counted else None)
@@ -372,9 +401,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
       new["residual"] = error_feedback.absorb(bucket, kept, state.residual)
     new_state = state._replace(**new)
     if method.propagates_nonfinite:
-      return out.mean, new_state, None
+      return out, new_state, None
     # The mean is identical on every device, so is this choice.
-    return out.mean, new_state, _all_finite(out.mean if out.witness is None else out.witness)
+    return out, new_state, _all_finite(out.mean if out.witness is None else out.witness)
 
   def checked_bucket(updates: chex.ArrayTree, state) -> fusion.Bucket:
     if method.error_feedback:
@@ -389,17 +418,22 @@ def compressor(method: Method) -> optax.GradientTransformation:
     if bucket.size == 0:  # nothing to exchange: a no-op, still a step
       return updates, (state._replace(count=optax.safe_increment(state.count))
                        if counted else state)
-    mean, new_state, ok = step(updates, state, bucket)
-    return (bucket.unflatten(mean, like=updates),
+    out, new_state, ok = step(updates, state, bucket)
+    return (bucket.unflatten(out.mean, like=updates),
             new_state if ok is None else keep_if(ok, new_state, state))
 
-  def fused_update(flat: jax.Array, like: chex.ArrayTree, state):
+  def fused_update(flat: jax.Array, like: chex.ArrayTree, state, compact: bool = False):
+    if compact and method.message is None:
+      raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
     bucket = checked_bucket(like, state)
     # Through the leaves (slices of ``flat``): the same program as ``update``'s,
     # which XLA fuses better than a sum with the concatenated residual (a
     # low-rank step moves 0.7 fewer passes over the gradient; a sparsifier's
     # the same).
-    mean, new_state, ok = step(bucket.unflatten(flat, like=like), state, bucket)
+    out, new_state, ok = step(bucket.unflatten(flat, like=like), state, bucket)
+    if compact:
+      return out.message, new_state, ok
+    mean = out.mean
     if isinstance(mean, (list, tuple)):
       mean = fusion.concat([m.reshape(-1) for m in mean])
     return mean, new_state, ok
@@ -409,7 +443,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
   attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire,
                               fused=Fused(method.layout, fused_update,
-                                          method.propagates_nonfinite)))
+                                          method.propagates_nonfinite, method.message)))
   return optax.GradientTransformation(init_fn, update_fn)
 
 

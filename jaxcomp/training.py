@@ -616,12 +616,12 @@ def fsdp_transfers(
 ) -> wire.WireCost:
   """What a step of :func:`make_fsdp_step` sends, by the formulas (pass to ``wire`` to tally).
 
-  The transfers of ``jaxcomp.hierarchical(compressor, fast_axis, X)``: the
-  parameters' all-gather and the gradient's reduce-scatter over
-  ``fast_axis`` are its dense fast-axis transfers, the compressor's formula
-  for the shard runs over ``slow_axis``; the step's skip is one int32
-  all-reduce over both axes, in place of the hierarchy's flag over
-  ``fast_axis``.
+  The gradient's reduce-scatter and the parameters' all-gather over
+  ``fast_axis`` (:func:`jaxcomp.hierarchy.dense_transfers`), the
+  compressor's formula for the shard over ``slow_axis`` (its transfers in
+  ``jaxcomp.hierarchical(compressor, fast_axis, X)``), and the step's skip:
+  one int32 all-reduce over both axes, in place of the hierarchy's flag
+  over ``fast_axis``.
 
   Args:
     compressor: the jaxcomp compressor in the step's chain, built over
@@ -633,11 +633,12 @@ def fsdp_transfers(
   """
   size = mesh_shape[fast_axis]
   nested = hierarchy.hierarchical(compressor, fast_axis, size)
-  flag = hierarchy.skip_flag(fast_axis, size)
-  exchange = tuple(t for t in wire.transfers(nested, params, mesh_shape, steps=steps)
-                   if t != flag)
-  return exchange + (wire.transfer(wire.Kind.ALL_REDUCE, mesh_shape[slow_axis] * size, 4,
-                                   (slow_axis, fast_axis)),)
+  # The parameters are gathered whole (dense), whatever the compressor's mean is.
+  slow = tuple(t for t in wire.transfers(nested, params, mesh_shape, steps=steps)
+               if t.axes != (fast_axis,))
+  return (hierarchy.dense_transfers(params, fast_axis, size) + slow
+          + (wire.transfer(wire.Kind.ALL_REDUCE, mesh_shape[slow_axis] * size, 4,
+                           (slow_axis, fast_axis)),))
 
 
 def _param_shapes(params: optax.Params) -> dict[str, list[int]]:

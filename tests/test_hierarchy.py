@@ -116,14 +116,32 @@ def test_slow_link_bytes_of_sparse_methods_fall_with_the_fast_axis():
   assert slow == 8 * math.ceil(1e-3 * 4096 * 1024 / 4)
 
 
-def _through_the_fused_path(tx):
-  """``tx`` with its ``update`` done by its spec's :class:`jaxcomp.protocol.Fused` path."""
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_a_low_rank_mean_is_gathered_as_its_factors(name):
+  """The fast axis gathers each shard's P, Q and dense mean, not the shard's mean
+  (the per-axis test above holds the compiled program to this formula)."""
+  shapes = {"w": jax.ShapeDtypeStruct((4096, 1024), jnp.float32),
+            "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+  tx = jaxcomp.hierarchical(registry.build(name, "dcn", rank=4), "ici", 4)
+  gathers = [t for t in wire.transfers(tx, shapes, {"dcn": 2, "ici": 4})
+             if t.kind == wire.Kind.ALL_GATHER.value and t.axes == ("ici",)]
+  # a shard: the 1024 x 1024 row block at rank 4, and 256 elements of the bias
+  factors = 4 * (1024 + 1024) + 256
+  assert [t.bytes for t in gathers] == [wire.ring_bytes(wire.Kind.ALL_GATHER, 4, 4 * factors * 4)]
+
+
+def _through_the_fused_path(tx, compact=False):
+  """``tx`` with its ``update`` done by its spec's :class:`jaxcomp.protocol.Fused` path;
+  ``compact``: the mean gathered as its message and decoded in a batch, as the hierarchy does."""
   fused = protocol.spec(tx).fused
 
   def update(updates, state, params=None):
     del params
     bucket = fused.layout(updates)
-    mean, new_state, ok = fused.update(bucket.flatten(updates), updates, state)
+    mean, new_state, ok = fused.update(bucket.flatten(updates), updates, state, compact=compact)
+    if compact:
+      decoded = jax.vmap(functools.partial(fused.message.decode, bucket))(mean[None])
+      mean = jnp.concatenate([m[0].reshape(-1) for m in decoded])
     if ok is not None:
       new_state = protocol.keep_if(ok, new_state, state)
     return bucket.unflatten(mean, like=updates), new_state
@@ -135,12 +153,16 @@ def _through_the_fused_path(tx):
 @pytest.mark.parametrize("name", registry.names())
 def test_the_fused_path_is_the_update_of_the_same_leaves(name, dtype):
   """Flat in, flat out (what the hierarchy hands over): the same bits as ``update``,
-  outputs and states, over three steps (ACP-SGD's two kinds, then a NaN skipped)."""
+  outputs and states, over three steps (ACP-SGD's two kinds, then a NaN skipped);
+  a low-rank mean also as its gathered factors, decoded."""
   params = {**PARAMS, "h": jnp.zeros((6, 5), dtype)}
   mesh = training.make_mesh((2,), ("dcn",))
   tx = _inner(name)
+  candidates = [tx, _through_the_fused_path(tx)]
+  if protocol.spec(tx).fused.message is not None:
+    candidates.append(_through_the_fused_path(tx, compact=True))
   results = []
-  for candidate in (tx, _through_the_fused_path(tx)):
+  for candidate in candidates:
     update = training.make_update(candidate, mesh, "dcn")
     state = training.init_state(candidate, params, mesh, "dcn")
     outs = []
@@ -152,10 +174,20 @@ def test_the_fused_path_is_the_update_of_the_same_leaves(name, dtype):
       out, state = jax.block_until_ready(update(training.shard(grads, mesh, "dcn"), state))
       outs.append(out)
     results.append((outs, state))
-  want, got = results
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    harness.assert_bitwise_equal(got_leaf, want_leaf)
+  want = results[0]
+  for got in results[1:]:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      harness.assert_bitwise_equal(got_leaf, want_leaf)
+
+
+def test_only_a_method_with_a_message_hands_over_a_compact_mean():
+  fused = protocol.spec(jaxcomp.gtopk(0.1, "dcn")).fused
+  assert fused.message is None
+  with pytest.raises(ValueError, match="`compact` needs a method with a message"):
+    fused.update(jnp.zeros(4), {"w": jnp.zeros(4)}, None, compact=True)
+  for name in ("powersgd", "acpsgd"):
+    assert protocol.spec(registry.build(name, "dcn")).fused.message is not None
 
 
 def test_chains_and_trains():

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxcomp
+from jaxcomp import hierarchy
 from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
@@ -302,9 +303,10 @@ def test_fsdp_checkpoint_resumes_bit_exactly_and_refuses_another_layout(tmp_path
 @pytest.mark.parametrize("name", registry.names())
 def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
   """The parameters' all-gather and the gradient's reduce-scatter are the dense
-  fast-axis transfers of ``jaxcomp.hierarchical``; the compressor sends the shard's
-  formula on the slow axis; the skip is one int32 all-reduce over both axes, in place
-  of the hierarchy's int32 flag on the fast axis."""
+  fast-axis transfers (those of ``jaxcomp.hierarchical`` but for a low-rank mean's
+  gather); the compressor sends the shard's formula on the slow axis; the skip is one
+  int32 all-reduce over both axes, in place of the hierarchy's int32 flag on the fast
+  axis."""
   config = {k: v for k, v in {"density": 0.3, "rank": 1}.items()
             if k in registry.get(name).defaults}
   compressor = registry.build(name, "dcn", **config)
@@ -322,6 +324,10 @@ def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
   hierarchical = wire.expected_bytes(jaxcomp.hierarchical(compressor, "ici", 4), params,
                                      dict(mesh.shape)).by_axes
   assert formula[("dcn",)] == hierarchical[("dcn",)]
-  flag = 0 if protocol.spec(compressor).fused.propagates_nonfinite else 6
-  assert formula[("ici",)] == hierarchical[("ici",)] - flag
+  dense = wire.tally(hierarchy.dense_transfers(params, "ici", 4)).by_axes[("ici",)]
+  assert formula[("ici",)] == dense
+  fused = protocol.spec(compressor).fused
+  if fused.message is None:  # a low-rank hierarchy gathers factors, FSDP the parameters
+    flag = 0 if fused.propagates_nonfinite else 6
+    assert dense == hierarchical[("ici",)] - flag
   assert formula[FSDP_AXES] == wire.ring_bytes("all-reduce", 8, 4)
