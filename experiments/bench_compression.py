@@ -375,6 +375,11 @@ DEFINITIONS = f"""\
   compression's own compute per device, every exchange taken out of both (the hierarchical
   method's "slow" collectives are over a group of one, as flat local's are). **hier/flat** is
   their ratio, the goal's (issue 14: <= {GOAL:g}); n/a where flat compute <= 0 and for allreduce.
+  A method whose mean has a compact form (`protocol.Message`: powersgd, acpsgd) gathers its
+  factors over "fast", not the shard's mean: hier(dense)'s gradient-sized all-gather is then
+  taken out of hier without being paid there, so its hier compute is its compute (the
+  products of every shard included) less the all-gather the factors save, and can be near 0
+  or below; its half-n/flat is the ratio of its compute alone.
 - **passes flat / hier compute** and **hier/flat passes**: the same differences in passes
   over memory, read from each compiled program (`experiments.hlo_counts`; bytes read and
   written over 4n, n the whole gradient's elements): the traffic the timings measure, free
