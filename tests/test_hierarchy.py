@@ -1,5 +1,6 @@
 """Every compressor on the slow axis only, on a (2, 4) mesh ("dcn", "ici"), 8 fake CPU devices."""
 
+import dataclasses
 import functools
 import math
 
@@ -179,6 +180,44 @@ def test_the_fused_path_is_the_update_of_the_same_leaves(name, dtype):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       harness.assert_bitwise_equal(got_leaf, want_leaf)
+
+
+def _without_message(tx):
+  """``tx`` with its :class:`jaxcomp.protocol.Fused` path stripped of its message: a
+  hierarchy around it gathers every shard's mean, as it did before factors were gathered."""
+  spec = protocol.spec(tx)
+
+  def update(updates, state, params=None):
+    return tx.update(updates, state, params)
+
+  protocol.attach_spec(update, dataclasses.replace(
+      spec, fused=dataclasses.replace(spec.fused, message=None)))
+  return optax.GradientTransformation(tx.init, update)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_gathered_factors_give_every_device_the_gathered_means(name):
+  """On the (2, 4) mesh, over two steps (ACP-SGD's two kinds): the X shards' products
+  formed from the gathered factors are, bit for bit and in the same rows, the means a
+  gather of the means hands over, and so are the states."""
+  params = {"w": jnp.zeros((40, 32)), "conv": jnp.zeros((3, 3, 4, 8)), "b": jnp.zeros((10,))}
+  mesh = training.make_mesh(MESH_SHAPE, AXES)
+  results = []
+  for inner in (_inner(name), _without_message(_inner(name))):
+    tx = jaxcomp.hierarchical(inner, "ici", 4)
+    update = training.make_update(tx, mesh, AXES)
+    state = training.init_state(tx, params, mesh, AXES)
+    outs = []
+    for seed in range(2):
+      grads = training.shard(harness.per_device_normal(params, seed, devices=8), mesh, AXES)
+      out, state = jax.block_until_ready(update(grads, state))
+      outs.append(out)
+    results.append((outs, state))
+  (got, got_state), (want, want_state) = results
+  assert protocol.spec(_inner(name)).fused.message is not None
+  for got_leaf, want_leaf in zip(jax.tree.leaves((got, got_state)),
+                                 jax.tree.leaves((want, want_state))):
+    harness.assert_bitwise_equal(got_leaf, want_leaf)
 
 
 def test_only_a_method_with_a_message_hands_over_a_compact_mean():
