@@ -46,7 +46,12 @@ def cases():
       "topk_no_error_feedback": lambda axis: jaxcomp.topk(0.2, axis, error_feedback=False),
       "gtopk": lambda axis: jaxcomp.gtopk(0.2, axis),
       "randomk": lambda axis: jaxcomp.randomk(0.2, axis, seed=3),
-      "dgc": lambda axis: jaxcomp.dgc(0.1, axis, clip_norm=10.0, sample_ratio=0.5),
+      # The clipping threshold is set above every device's gradient norm: the clip
+      # runs and scales by exactly 1. An active clip's scale comes from an f32
+      # reduction whose summation order XLA picks per host CPU, so its bits differ
+      # between machines (its values are checked against numpy in
+      # test_deep_gradient_compression.py).
+      "dgc": lambda axis: jaxcomp.dgc(0.1, axis, clip_norm=1e3, sample_ratio=0.5),
       "dgc_nesterov_all": lambda axis: jaxcomp.dgc(
           0.05, axis, momentum=0.8, nesterov=True, sparse_leaves="all", sample_ratio=1.0),
       "signsgd": lambda axis: jaxcomp.signsgd(axis),
