@@ -52,7 +52,6 @@ from experiments import compute
 from experiments import hlo_counts
 from experiments import shapes
 import jaxcomp
-from jaxcomp import hierarchy
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -118,7 +117,7 @@ class HierarchicalRow(NamedTuple):
   gradient compressed, its collectives over a group of one); ``"hier"``,
   ``hierarchical`` of the method over ``"slow"``; ``"half_local"`` and
   ``"half_local_dense"``, the method and ``allreduce`` over ``"slow"`` alone on
-  a gradient shaped like one device's shard (:func:`jaxcomp.hierarchy.shard_shapes`),
+  a gradient shaped like one device's shard (:func:`jaxcomp.training.shard_shapes`),
   without the hierarchy around them.
 
   Attributes:
@@ -278,7 +277,7 @@ def hierarchical_rows(
             shapes.zeros(like))
 
   whole = inputs(model_shapes, 0)
-  half = inputs(hierarchy.shard_shapes(model_shapes, fast), 1)
+  half = inputs(training.shard_shapes(model_shapes, fast), 1)
   n = shapes.num_params(model_shapes)
   build = lambda tx, data=whole: _program(tx, mesh, *data, n)  # noqa: E731
   allreduce = functools.partial(registry.build, "allreduce")
@@ -370,7 +369,7 @@ DEFINITIONS = f"""\
   - **hier(dense)**: `hierarchical(allreduce("slow"), "fast", X)`: the hierarchy's
     reduce-scatter, layout and all-gather around a fused copy of the shard.
   - **half local**, **half local dense**: the method and `allreduce` over "slow" alone on a
-    gradient shaped like one device's shard (`jaxcomp.hierarchy.shard_shapes`), no hierarchy.
+    gradient shaped like one device's shard (`jaxcomp.training.shard_shapes`), no hierarchy.
 - **flat compute** = flat local - local dense; **hier compute** = hier - hier(dense): the
   compression's own compute per device, every exchange taken out of both (the hierarchical
   method's "slow" collectives are over a group of one, as flat local's are). **hier/flat** is

@@ -38,7 +38,7 @@ around the same compressor, with the step's skip decision).
 With ``--large-batch`` it trains digits at a global batch of 1,024 with and
 without the 2D-torus paper's large-batch recipe (batch-size control and
 label smoothing, :func:`jaxcomp.training.batch_size_schedule` and
-:func:`jaxcomp.training.smoothed_cross_entropy`), each part alone, and the
+``optax.smooth_labels``), each part alone, and the
 batch of 256 for reference, over ``--repeats`` seeds, and writes
 ``large_batch.md`` and ``large_batch.json`` (see :data:`LARGE_BATCH`).
 """
@@ -67,7 +67,6 @@ from experiments import compute
 from experiments import data
 from experiments import models
 from jaxcomp import costmodel
-from jaxcomp import hierarchy
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -418,7 +417,7 @@ def train_method_fsdp(name: str, config: Config, task: dict, model: models.Model
       lambda: training.shard(next(batches), mesh, config.axis_name),
       lambda shard: evaluate(shard, eval_x, eval_y))
 
-  shards = hierarchy.shard_shapes(model.params, mesh_shape[fast])
+  shards = training.shard_shapes(model.params, mesh_shape[fast])
   message = message_bytes(name, compressor_config, shards)
   final = history[-1]
   program_axes = by_axes["bytes_by_axes"]
@@ -973,14 +972,16 @@ def scheduled_image_batches(split: data.Split, sizes: training.BatchSizeSchedule
 
 
 def _smoothed_digits_loss(smoothing: float):
-  """The digits CNN's loss against labels smoothed by ``smoothing`` (``training.smoothed_cross_entropy``)."""
+  """The digits CNN's loss against labels smoothed by ``smoothing`` (``optax.smooth_labels``)."""
   from flax import nnx
 
   graphdef, _ = nnx.split(models.DigitsCNN(10, nnx.Rngs(0)))
 
   def loss(params, batch):
     x, y = batch
-    return training.smoothed_cross_entropy(nnx.merge(graphdef, params)(x), y, smoothing).mean()
+    logits = nnx.merge(graphdef, params)(x)
+    targets = optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), smoothing)
+    return optax.softmax_cross_entropy(logits, targets).mean()
 
   return loss
 
@@ -1129,7 +1130,7 @@ def markdown_large_batch(report: dict) -> str:
       " same rule in every run but the one marked \"rate not scaled\" (the same schedule"
       " without the factor). Batch-size control: the global batch grows"
       f" {stages} over {', '.join(f'{s:.0%}' for _, s in config['stages'])} of the examples;"
-      f" label smoothing {config['label_smoothing']} (`training.smoothed_cross_entropy`)."
+      f" label smoothing {config['label_smoothing']} (`optax.smooth_labels`)."
       f" Evaluated on the {config['evaluated_on']} split ({config['eval_examples']} examples,"
       f" one example = {100 / config['eval_examples']:.2f} pt) with the plain cross-entropy;"
       f" mean and standard deviation over seeds {config['seeds']} (initialisation and batch"

@@ -10,7 +10,6 @@ import pytest
 
 from experiments import compare
 from experiments import models
-from jaxcomp import hierarchy
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -164,7 +163,7 @@ def test_fsdp_layout_reads_each_link_apart_and_matches_the_formula(tmp_path):
   assert json.loads((tmp_path / "compare_fsdp.json").read_text())["config"]["layout"] == "fsdp"
   params = models.digits_cnn(0).params
   # One device's row-block shard: 17,951 of the 71,754 parameters (padded).
-  s = models.num_params(hierarchy.shard_shapes(params, 4))
+  s = models.num_params(training.shard_shapes(params, 4))
   dense, dgc = report["methods"]["allreduce"], report["methods"]["dgc"]
   for name, row in report["methods"].items():
     # Fast link: the parameters' all-gather and the gradient's reduce-scatter,

@@ -49,13 +49,8 @@ def test_byte_term_is_what_the_compiled_program_sends(name, shape):
   tx = registry.build(name, axis)
   params = {"w": jnp.ones((64, 32)), "b": jnp.ones((32,))}
   state = training.init_state(tx, params, mesh, axis)
-  spec = training._spec(axis)
-  update = jax.jit(jax.shard_map(
-      lambda g, s: tx.update(g, jax.tree.map(lambda x: x[0], s))[0], mesh=mesh,
-      in_specs=(jax.sharding.PartitionSpec(), spec), out_specs=jax.sharding.PartitionSpec(),
-      check_vma=False,
-  ))
-  compiled = update.lower(params, state).compile()
+  grads = training.stack_per_device(params, mesh, axis)
+  compiled = training.make_update(tx, mesh, axis).lower(grads, state).compile()
   measured = wire.collective_bytes(compiled).total
   cost = wire.transfers(tx, params, shape)
   assert costmodel.exchange_time(cost, 1.0, 0.0) == pytest.approx(

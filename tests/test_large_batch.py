@@ -1,7 +1,6 @@
 """The 2D-torus paper's large-batch recipe: batch-size control and label smoothing."""
 
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +108,8 @@ def test_a_growing_batch_compiles_the_step_once_per_size(compressor):
   def loss(p, b):
     traces.append(b[0].shape)
     logits = b[0] @ p["w"] + p["b"]
-    return training.smoothed_cross_entropy(logits, b[1], 0.1).mean()
+    targets = optax.smooth_labels(jax.nn.one_hot(b[1], logits.shape[-1]), 0.1)
+    return optax.softmax_cross_entropy(logits, targets).mean()
 
   # Through the jitted step: it retraces once per new batch shape.
   step = training.make_step(loss, tx, mesh, "data")
@@ -150,42 +150,6 @@ def test_compile_batch_sizes_refuses_sizes_that_do_not_split():
   with pytest.raises(ValueError, match="size 12"):
     training.compile_batch_sizes(step, p, s, batch(8, 0),
                                  training.batch_size_schedule({0: 8, 2: 12}), mesh, "data")
-
-
-# ---------------------------------------------------------- label smoothing
-
-
-@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.5, 1.0])
-def test_smoothed_cross_entropy_is_optax_smooth_labels(smoothing):
-  logits = 4 * jax.random.normal(jax.random.key(0), (3, 5, 10))
-  labels = jax.random.randint(jax.random.key(1), (3, 5), 0, 10)
-  targets = optax.smooth_labels(jax.nn.one_hot(labels, 10), smoothing)
-  expected = optax.softmax_cross_entropy(logits, targets)
-  got = training.smoothed_cross_entropy(logits, labels, smoothing)
-  assert got.shape == (3, 5) and got.dtype == logits.dtype
-  np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-  # Its gradient too: what the step trains on.
-  grad = jax.grad(lambda z: training.smoothed_cross_entropy(z, labels, smoothing).sum())(logits)
-  expected_grad = jax.grad(lambda z: optax.softmax_cross_entropy(z, targets).sum())(logits)
-  np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
-  if smoothing == 0.0:
-    np.testing.assert_allclose(
-        got, optax.softmax_cross_entropy_with_integer_labels(logits, labels), rtol=1e-6)
-
-
-@pytest.mark.parametrize("smoothing, error", [
-    (-0.1, ValueError), (1.5, ValueError), (math.nan, ValueError), (True, TypeError),
-    ("0.1", TypeError)])
-def test_smoothing_is_checked_by_name(smoothing, error):
-  with pytest.raises(error, match="`smoothing`"):
-    training.smoothed_cross_entropy(jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32), smoothing)
-
-
-def test_labels_must_be_integer_classes_of_the_logits():
-  with pytest.raises(TypeError, match="`labels` must be integer"):
-    training.smoothed_cross_entropy(jnp.zeros((2, 3)), jnp.zeros(2), 0.1)
-  with pytest.raises(ValueError, match="`labels` of shape"):
-    training.smoothed_cross_entropy(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32), 0.1)
 
 
 # ------------------------------------------------------------ the main job

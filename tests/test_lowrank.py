@@ -10,8 +10,8 @@ import pytest
 
 from experiments import hlo_counts
 from experiments import shapes
-from jaxcomp import dense as dense_lib
-from jaxcomp import lowrank
+from jaxcomp._src import dense as dense_lib
+from jaxcomp._src import lowrank
 from jaxcomp import training
 from jaxcomp import wire
 import harness

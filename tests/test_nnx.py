@@ -165,7 +165,7 @@ def test_per_device_update_outside_data_parallel_is_refused():
   tx = jaxcomp.nnx.per_device(optax.chain(jaxcomp.topk(0.2, AXIS), optax.sgd(0.1)), mesh, AXIS)
   state = tx.init(params)
   assert jax.tree.leaves(state)[0].shape == (8,)  # the count, one per device
-  with pytest.raises(ValueError, match="every device's block here.*data_parallel"):
+  with pytest.raises(ValueError, match="one device's block is.*data_parallel"):
     tx.update(params, state, params)
 
 

@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from jaxcomp import collectives
-from jaxcomp import error_feedback
-from jaxcomp import fusion
-from jaxcomp import lowrank
+from jaxcomp._src import error_feedback
+from jaxcomp._src import fusion
+from jaxcomp._src import lowrank
 from jaxcomp import selection
-from jaxcomp import sparsify
+from jaxcomp._src import sparsify
 from jaxcomp import training
 import harness
 

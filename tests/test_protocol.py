@@ -89,7 +89,7 @@ def test_find_specs_of_plain_optax_is_empty_and_keeps_the_order():
 
 def test_send_scales_by_the_group_and_poisons_on_demand():
   mesh = training.make_mesh(8)
-  bucket = jaxcomp.fusion.Bucket.of(PARAMS)
+  bucket = jaxcomp.protocol.Bucket.of(PARAMS)
 
   def body(x, finite):
     ctx = protocol.Context(bucket, ("data",), (8,), finite=finite[0])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import collectives
-from jaxcomp import selection
+from jaxcomp._src import selection
 import harness
 
 EMPTY = collectives.EMPTY_INDEX

@@ -16,9 +16,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcomp import dense
-from jaxcomp import selection
-from jaxcomp import sparsify
+from jaxcomp._src import dense
+from jaxcomp._src import selection
+from jaxcomp._src import sparsify
 from jaxcomp import training
 from jaxcomp import wire
 import harness

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp import hierarchy
+from jaxcomp._src import hierarchical as hierarchical_lib
 from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
@@ -324,7 +324,7 @@ def test_fsdp_bytes_per_axis_equal_the_hierarchical_formula(name):
   hierarchical = wire.expected_bytes(jaxcomp.hierarchical(compressor, "ici", 4), params,
                                      dict(mesh.shape)).by_axes
   assert formula[("dcn",)] == hierarchical[("dcn",)]
-  dense = wire.tally(hierarchy.dense_transfers(params, "ici", 4)).by_axes[("ici",)]
+  dense = wire.tally(hierarchical_lib.dense_transfers(params, "ici", 4)).by_axes[("ici",)]
   assert formula[("ici",)] == dense
   fused = protocol.spec(compressor).fused
   if fused.message is None:  # a low-rank hierarchy gathers factors, FSDP the parameters

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from experiments import shapes
-from jaxcomp import hierarchy
+import jaxcomp
 from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import wire
@@ -106,7 +106,7 @@ def build(method: str, mesh_shape: Optional[Mapping[str, int]] = None
     return registry.build("gtopk", MESH_AXES, **config(method))
   inner = registry.build(jax_method(method), SLOW, **config(method))
   fast_dtype = jnp.bfloat16 if method.endswith(_BF16) else None
-  return hierarchy.hierarchical(inner, FAST, mesh_shape[FAST], fast_dtype=fast_dtype)
+  return jaxcomp.hierarchical(inner, FAST, mesh_shape[FAST], fast_dtype=fast_dtype)
 
 
 def flat_ring_allreduce(axes: Sequence[str]) -> optax.GradientTransformation:

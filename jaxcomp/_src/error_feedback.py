@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import fusion
+from jaxcomp._src import fusion
 
 
 def init(params: optax.Params) -> optax.Params:

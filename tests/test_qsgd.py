@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp import stochastic_quantization
+from jaxcomp._src import qsgd
 from jaxcomp import training
 from jaxcomp import wire
 
@@ -27,7 +27,7 @@ def _quantize(x, draws, levels, block):
 
 def _keys(seed, device):
   """The two draw keys of ``device`` at the first step (the documented key rule)."""
-  _, draw = jax.random.split(jax.random.wrap_key_data(jaxcomp.base.raw_key(seed)))
+  _, draw = jax.random.split(jax.random.wrap_key_data(jaxcomp.protocol.raw_key(seed)))
   return jax.random.split(jax.random.fold_in(draw, device))
 
 
@@ -67,7 +67,7 @@ def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
 def test_quantization_is_unbiased_and_within_one_level():
   x = jnp.asarray(np.random.default_rng(1).normal(size=40).astype(np.float32))
   keys = jax.random.split(jax.random.key(0), 4000)
-  levels, norms = jax.vmap(lambda k: stochastic_quantization.quantize(x, LEVELS, BUCKET, k))(keys)
+  levels, norms = jax.vmap(lambda k: qsgd.quantize(x, LEVELS, BUCKET, k))(keys)
   decoded = np.asarray(jnp.repeat(norms, BUCKET, axis=1) / LEVELS * levels)[:, :40]
   assert np.abs(np.asarray(levels)).max() <= LEVELS
   norm = np.asarray(norms)[0]

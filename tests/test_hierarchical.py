@@ -72,7 +72,7 @@ def test_every_compressor_on_the_shard_same_on_every_device(name):
 
 @pytest.mark.parametrize("name", registry.names())
 def test_state_is_sized_to_the_shard(name):
-  state = _run(name)["state"].inner
+  state = _run(name)["state"].inner_state
   residual = getattr(state, "residual", ())
   if not jax.tree.leaves(residual):
     return

@@ -11,13 +11,13 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import base
-from jaxcomp import protocol
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import protocol
+from jaxcomp._src import wire
 
 
-def _dense_mean(name: str, config: dict, axis_name: base.AxisName, wire_dtype):
-  axes = base.check_axis_name(axis_name)
+def _dense_mean(name: str, config: dict, axis_name: checks.AxisName, wire_dtype):
+  axes = checks.check_axis_name(axis_name)
 
   def step(ctx, corrected, state):
     del state
@@ -32,7 +32,7 @@ def _dense_mean(name: str, config: dict, axis_name: base.AxisName, wire_dtype):
       state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True))
 
 
-def allreduce(axis_name: base.AxisName) -> optax.GradientTransformation:
+def allreduce(axis_name: checks.AxisName) -> optax.GradientTransformation:
   """The dense mean of the gradients over the device axis: synchronous SGD.
 
   Every leaf is fused into one f32 buffer and averaged with one all-reduce (a
@@ -59,7 +59,7 @@ def allreduce(axis_name: base.AxisName) -> optax.GradientTransformation:
   return _dense_mean("allreduce", {}, axis_name, None)
 
 
-def cast(dtype: Any, axis_name: base.AxisName) -> optax.GradientTransformation:
+def cast(dtype: Any, axis_name: checks.AxisName) -> optax.GradientTransformation:
   """The dense mean with 16-bit values on the wire (fp16 or bf16).
 
   The f32 gradient buffer is rounded to ``dtype`` and averaged as a

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from jaxcomp import base
-from jaxcomp import protocol
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import protocol
+from jaxcomp._src import wire
 
 
 class QSGDState(NamedTuple):
@@ -90,7 +90,7 @@ def _chunk(n: int, devices: int, bucket_size: int) -> tuple[int, int]:
 
 def qsgd(
     levels: int,
-    axis_name: base.AxisName,
+    axis_name: checks.AxisName,
     *,
     bucket_size: int = 512,
     error_feedback: bool = False,
@@ -147,11 +147,11 @@ def qsgd(
     Distributed Machine Learning <https://doi.org/10.1109/ICDCS51616.2021.00060>`_,
     ICDCS 2021.
   """
-  levels = base.check_number(levels, "levels", integer=True, low=1, high=127)
-  axes = base.check_axis_name(axis_name)
-  bucket_size = base.check_number(bucket_size, "bucket_size", integer=True, low=1)
-  error_feedback = base.check_bool(error_feedback, "error_feedback")
-  seed = base.check_seed(seed)
+  levels = checks.check_number(levels, "levels", integer=True, low=1, high=127)
+  axes = checks.check_axis_name(axis_name)
+  bucket_size = checks.check_number(bucket_size, "bucket_size", integer=True, low=1)
+  error_feedback = checks.check_bool(error_feedback, "error_feedback")
+  seed = checks.check_seed(seed)
 
   def step(ctx, corrected, state):
     del state

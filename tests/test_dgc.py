@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from experiments import hlo_counts
-from jaxcomp import dense
-from jaxcomp import deep_gradient_compression as dgc
+from jaxcomp._src import dense
+from jaxcomp._src import dgc
 from jaxcomp import training
 from jaxcomp import wire
 import harness

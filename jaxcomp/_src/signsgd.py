@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from jaxcomp import base
-from jaxcomp import protocol
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import protocol
+from jaxcomp._src import wire
 
 _SCALE_BYTES = 4  # the f32 scale travels beside the packed signs
 
@@ -61,7 +61,7 @@ class SignSGDState(NamedTuple):
 
 
 def signsgd(
-    axis_name: base.AxisName,
+    axis_name: checks.AxisName,
     *,
     error_feedback: bool = True,
     majority_vote: bool = False,
@@ -112,9 +112,9 @@ def signsgd(
     Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
-  axes = base.check_axis_name(axis_name)
-  error_feedback = base.check_bool(error_feedback, "error_feedback")
-  majority_vote = base.check_bool(majority_vote, "majority_vote")
+  axes = checks.check_axis_name(axis_name)
+  error_feedback = checks.check_bool(error_feedback, "error_feedback")
+  majority_vote = checks.check_bool(majority_vote, "majority_vote")
 
   def step(ctx, corrected, state):
     del state

@@ -38,22 +38,22 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import fusion
-from jaxcomp import protocol
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import collectives
+from jaxcomp._src import fusion
+from jaxcomp._src import protocol
+from jaxcomp._src import wire
 
 
 class HierarchicalState(NamedTuple):
   """State of :func:`hierarchical`.
 
   Attributes:
-    inner: the wrapped compressor's state for this device's shard (its
+    inner_state: the wrapped compressor's state for this device's shard (its
       residual is shaped like :func:`shard_shapes` of the parameters).
   """
 
-  inner: optax.OptState
+  inner_state: optax.OptState
 
 
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -164,7 +164,7 @@ def hierarchical(
     raise ValueError(
         f"`fast_axis` {fast_axis!r} is also the compressor's axis: build the compressor"
         f" over the slow axis only, got axes {inner_spec.axes}")
-  fast_size = base.check_number(fast_size, "fast_size", integer=True, low=1)
+  fast_size = checks.check_number(fast_size, "fast_size", integer=True, low=1)
   wire_dtype = None
   if fast_dtype is not None:
     wire_dtype = jnp.dtype(fast_dtype)
@@ -174,12 +174,12 @@ def hierarchical(
 
   def init_fn(params):
     shards = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shard_shapes(params, fast_size))
-    return HierarchicalState(inner=compressor.init(shards))
+    return HierarchicalState(inner_state=compressor.init(shards))
 
   def update_fn(updates, state, params=None):
     del params
     fusion.check_leaves(updates)
-    (size,) = base.axis_sizes((fast_axis,))
+    (size,) = checks.axis_sizes((fast_axis,))
     if size != fast_size:
       raise ValueError(
           f"`fast_size` is {fast_size} but the mesh axis {fast_axis!r} has {size} devices")
@@ -201,14 +201,14 @@ def hierarchical(
     # no tree of the shard's leaves to fuse again, no flat mean split into leaves
     # to be concatenated again.
     if fused.message is None:
-      mean, inner_state, ok = fused.update(shard, like, state.inner)
+      mean, new_inner, ok = fused.update(shard, like, state.inner_state)
       gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
       parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
     else:
       # A low-rank mean is gathered as its factors and every shard's products
       # formed here, straight into the leaves: no n-sized concatenation of
       # products and no n-sized all-gather.
-      message, inner_state, ok = fused.update(shard, like, state.inner, compact=True)
+      message, new_inner, ok = fused.update(shard, like, state.inner_state, compact=True)
       messages = collectives.allgather(message, fast_axis)
       means = jax.vmap(functools.partial(fused.message.decode, bucket))(messages)
       parts = [m.reshape(fast_size, -1) for m in means]
@@ -218,8 +218,8 @@ def hierarchical(
       # Each shard's slow group decides on its own shard; a step skipped on one
       # shard is skipped on all (one int32 on the fast axis, not a test of the mean).
       ok = lax.pmin(ok.astype(jnp.int32), fast_axis) > 0
-      inner_state = protocol.keep_if(ok, inner_state, state.inner)
-    return result, HierarchicalState(inner=inner_state)
+      new_inner = protocol.keep_if(ok, new_inner, state.inner_state)
+    return result, HierarchicalState(inner_state=new_inner)
 
   def wire_cost(shapes, sizes, steps):
     fast = sizes[fast_axis]

@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import error_feedback
-from jaxcomp import fusion
-from jaxcomp import protocol
-from jaxcomp import selection
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import collectives
+from jaxcomp._src import error_feedback
+from jaxcomp._src import fusion
+from jaxcomp._src import protocol
+from jaxcomp._src import selection
+from jaxcomp._src import wire
 
 # The paper's exponential warm-up ramp, one equal stage each, then `density`.
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
@@ -72,8 +72,8 @@ def warmup_density(density: float, warmup_steps: int, step: int) -> float:
 def _stage_ks(density: float, warmup_steps: int, n: int) -> tuple[int, ...]:
   """``k`` of every warm-up stage, then of ``density`` (the last entry)."""
   ramp = WARMUP_DENSITIES if warmup_steps else ()
-  return tuple(base.num_selected(max(d, density), n) for d in ramp) + (
-      base.num_selected(density, n),
+  return tuple(checks.num_selected(max(d, density), n) for d in ramp) + (
+      checks.num_selected(density, n),
   )
 
 
@@ -82,7 +82,7 @@ def stage_weights(warmup_steps: int, steps) -> tuple[Fraction, ...]:
   stages = len(WARMUP_DENSITIES) + 1 if warmup_steps else 1
   if steps is None:
     return (Fraction(0),) * (stages - 1) + (Fraction(1),)
-  steps = base.check_number(steps, "steps", integer=True, low=1)
+  steps = checks.check_number(steps, "steps", integer=True, low=1)
   counts = [0] * stages
   for t in range(min(steps, warmup_steps)):
     counts[t * len(WARMUP_DENSITIES) // warmup_steps] += 1
@@ -91,13 +91,13 @@ def stage_weights(warmup_steps: int, steps) -> tuple[Fraction, ...]:
 
 
 def _check_args(momentum, nesterov, clip_norm, warmup_steps, sample_ratio, sparse_leaves):
-  momentum = base.check_number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-  sample_ratio = base.check_number(
+  momentum = checks.check_number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  sample_ratio = checks.check_number(
       sample_ratio, "sample_ratio", low=0.0, high=1.0, low_open=True)
-  nesterov = base.check_bool(nesterov, "nesterov")
-  clip_norm = base.check_number(clip_norm, "clip_norm", low=0.0, high=math.inf,
+  nesterov = checks.check_bool(nesterov, "nesterov")
+  clip_norm = checks.check_number(clip_norm, "clip_norm", low=0.0, high=math.inf,
                                 low_open=True, high_open=True, allow_none=True)
-  warmup_steps = base.check_number(warmup_steps, "warmup_steps", integer=True, low=0)
+  warmup_steps = checks.check_number(warmup_steps, "warmup_steps", integer=True, low=0)
   if callable(sparse_leaves):
     where = sparse_leaves
   elif isinstance(sparse_leaves, str) and sparse_leaves in _SPARSE_RULES:
@@ -112,7 +112,7 @@ def _check_args(momentum, nesterov, clip_norm, warmup_steps, sample_ratio, spars
 
 def dgc(
     density: float,
-    axis_name: base.AxisName,
+    axis_name: checks.AxisName,
     momentum: float = 0.9,
     clip_norm: Optional[float] = None,
     warmup_steps: int = 0,
@@ -200,12 +200,12 @@ def dgc(
     Bandwidth for Distributed Training <https://arxiv.org/abs/1712.01887>`_,
     ICLR 2018.
   """
-  density = base.check_density(density)
-  axes = base.check_axis_name(axis_name)
+  density = checks.check_density(density)
+  axes = checks.check_axis_name(axis_name)
   momentum, nesterov, clip_norm, warmup_steps, sample_ratio, where = _check_args(
       momentum, nesterov, clip_norm, warmup_steps, sample_ratio, sparse_leaves
   )
-  seed = base.check_seed(seed)
+  seed = checks.check_seed(seed)
 
   def accumulate(u, g):
     """``(new u, what v accumulates)``: the momentum correction."""

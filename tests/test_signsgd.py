@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp import quantize
+from jaxcomp._src import signsgd
 from jaxcomp import training
 from jaxcomp import wire
 import harness
@@ -19,9 +19,9 @@ import harness
 PARAMS = {"w": jnp.zeros((5, 7)), "b": jnp.zeros((3,))}
 N = 38
 FACTORIES = {
-    "ef": lambda axis: quantize.signsgd(axis),
-    "majority": lambda axis: quantize.signsgd(axis, majority_vote=True),
-    "plain": lambda axis: quantize.signsgd(axis, error_feedback=False),
+    "ef": lambda axis: signsgd.signsgd(axis),
+    "majority": lambda axis: signsgd.signsgd(axis, majority_vote=True),
+    "plain": lambda axis: signsgd.signsgd(axis, error_feedback=False),
 }
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
 
@@ -59,19 +59,19 @@ def test_pack_unpack_round_trip(n, data):
   values = data.draw(st.lists(
       st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-30, -1e30]), min_size=n, max_size=n))
   x = np.asarray(values, np.float32)
-  packed = quantize.pack_signs(jnp.asarray(x))
+  packed = signsgd.pack_signs(jnp.asarray(x))
   assert packed.dtype == jnp.uint8 and packed.shape == (-(-n // 8),)
   np.testing.assert_array_equal(packed, np.packbits(x >= 0, bitorder="little"))
   np.testing.assert_array_equal(
-      quantize.unpack_signs(packed, n), np.where(x >= 0, 1.0, -1.0))
+      signsgd.unpack_signs(packed, n), np.where(x >= 0, 1.0, -1.0))
 
 
 def test_sign_of_zero_is_plus_one():
   x = jnp.asarray([0.0, -0.0, -1.0, 2.0])
-  np.testing.assert_array_equal(quantize.signs(x), [1.0, 1.0, -1.0, 1.0])
-  np.testing.assert_array_equal(quantize.unpack_signs(quantize.pack_signs(x), 4),
+  np.testing.assert_array_equal(signsgd.signs(x), [1.0, 1.0, -1.0, 1.0])
+  np.testing.assert_array_equal(signsgd.unpack_signs(signsgd.pack_signs(x), 4),
                                 [1.0, 1.0, -1.0, 1.0])
-  assert int(quantize.pack_signs(x)[0]) == 0b1011
+  assert int(signsgd.pack_signs(x)[0]) == 0b1011
 
 
 # ------------------------------------------------------------------------ bytes
@@ -90,7 +90,7 @@ def test_one_allgather_of_the_packed_signs_and_the_scale(name, mesh_name):
 @pytest.mark.parametrize("devices", [2, 4])
 def test_compiled_bytes_on_smaller_rings(devices):
   mesh = training.make_mesh(devices)
-  tx = quantize.signsgd("data")
+  tx = signsgd.signsgd("data")
   state = training.init_state(tx, PARAMS, mesh, "data")
   grads = training.shard(_per_device_normal(5, devices=devices), mesh, "data")
   compiled = harness.step_fn(tx, mesh, "data").lower(grads, state).compile()
@@ -165,10 +165,10 @@ def test_nan_on_one_device(name):
 ])
 def test_bad_arguments(kwargs, error, argument):
   with pytest.raises(error, match=argument):
-    quantize.signsgd(**(dict(axis_name="data") | kwargs))
+    signsgd.signsgd(**(dict(axis_name="data") | kwargs))
 
 
 def test_mismatched_updates():
-  tx = quantize.signsgd("data")
+  tx = signsgd.signsgd("data")
   with pytest.raises(ValueError, match="shape"):
     tx.update({"w": jnp.zeros((5, 7)), "b": jnp.zeros((4,))}, tx.init(PARAMS))

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import base
-from jaxcomp import collectives
-from jaxcomp import protocol
-from jaxcomp import selection
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import collectives
+from jaxcomp._src import protocol
+from jaxcomp._src import selection
+from jaxcomp._src import wire
 
 # ------------------------------------------------------------------ states
 
@@ -69,7 +69,7 @@ class RandomKState(NamedTuple):
 
 
 def topk(
-    density: float, axis_name: base.AxisName, *, error_feedback: bool = True
+    density: float, axis_name: checks.AxisName, *, error_feedback: bool = True
 ) -> optax.GradientTransformation:
   """Top-k sparsification with a sparse all-gather.
 
@@ -106,13 +106,13 @@ def topk(
     `Understanding Top-k Sparsification in Distributed Deep Learning
     <https://arxiv.org/abs/1911.08772>`_, 2019.
   """
-  density = base.check_density(density)
-  axes = base.check_axis_name(axis_name)
-  use_residual = base.check_bool(error_feedback, "error_feedback")
+  density = checks.check_density(density)
+  axes = checks.check_axis_name(axis_name)
+  use_residual = checks.check_bool(error_feedback, "error_feedback")
 
   def step(ctx, corrected, state):
     del state
-    values, indices = selection.topk(corrected, base.num_selected(density, ctx.bucket.size))
+    values, indices = selection.topk(corrected, checks.num_selected(density, ctx.bucket.size))
     all_values, all_indices = ctx.sparse_allgather(values, indices)
     return protocol.Output(
         mean=collectives.densify(all_values, all_indices, ctx.bucket.size),
@@ -121,7 +121,7 @@ def topk(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.sparse_allgather(base.num_selected(density, bucket.size), sizes)
+    return wire.sparse_allgather(checks.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
       name="topk", config=dict(density=density, axis_name=axis_name,
@@ -133,7 +133,7 @@ def topk(
 # ------------------------------------------------------------------ gtopk
 
 
-def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformation:
+def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransformation:
   """Global top-k (gTop-k) sparsification with the butterfly all-reduce.
 
   Each device corrects its fused gradient with its residual, ``c = g + e``,
@@ -171,12 +171,12 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
     Sparsification for Low Bandwidth Networks
     <https://arxiv.org/abs/1901.04359>`_, ICDCS 2019.
   """
-  density = base.check_density(density)
-  axes = base.check_axis_name(axis_name)
+  density = checks.check_density(density)
+  axes = checks.check_axis_name(axis_name)
 
   def step(ctx, corrected, state):
     del state
-    k = base.num_selected(density, ctx.bucket.size)
+    k = checks.num_selected(density, ctx.bucket.size)
     values, indices = selection.topk(corrected, k)
     global_values, global_indices = ctx.gtopk(values, indices, k)
     # Put-back: membership by a sorted search over k entries, not an n-sized mask.
@@ -190,7 +190,7 @@ def gtopk(density: float, axis_name: base.AxisName) -> optax.GradientTransformat
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.gtopk(base.num_selected(density, bucket.size), sizes)
+    return wire.gtopk(checks.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
       name="gtopk", config=dict(density=density, axis_name=axis_name),
@@ -245,7 +245,7 @@ def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
 
 
 def randomk(
-    density: float, axis_name: base.AxisName, seed: int = 0
+    density: float, axis_name: checks.AxisName, seed: int = 0
 ) -> optax.GradientTransformation:
   """Random-k sparsification: shared random coordinates, one dense all-reduce.
 
@@ -281,14 +281,14 @@ def randomk(
     Stich et al., `Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>`_, NeurIPS 2018.
   """
-  density = base.check_density(density)
-  axes = base.check_axis_name(axis_name)
-  seed = base.check_seed(seed)
+  density = checks.check_density(density)
+  axes = checks.check_axis_name(axis_name)
+  seed = checks.check_seed(seed)
 
   def step(ctx, corrected, state):
     del state
     n = ctx.bucket.size
-    indices = random_indices(ctx.key, n, base.num_selected(density, n))
+    indices = random_indices(ctx.key, n, checks.num_selected(density, n))
     mean_values = ctx.mean(corrected.at[indices].get(indices_are_sorted=True,
                                                      unique_indices=True))
     return protocol.Output(
@@ -298,7 +298,7 @@ def randomk(
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    return wire.mean(base.num_selected(density, bucket.size), sizes)
+    return wire.mean(checks.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
       name="randomk", config=dict(density=density, axis_name=axis_name, seed=seed),

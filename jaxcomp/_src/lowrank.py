@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from jaxcomp import base
-from jaxcomp import fusion
-from jaxcomp import protocol
-from jaxcomp import wire
+from jaxcomp._src import checks
+from jaxcomp._src import fusion
+from jaxcomp._src import protocol
+from jaxcomp._src import wire
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -222,11 +222,11 @@ def _init_factors(view: MatrixView, seed: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _check_rank(rank) -> int:
-  return base.check_number(rank, "rank", integer=True, low=1)
+  return checks.check_number(rank, "rank", integer=True, low=1)
 
 
 def _check_min_compression_rate(rate) -> float:
-  return base.check_number(rate, "min_compression_rate", low=1.0)
+  return checks.check_number(rate, "min_compression_rate", low=1.0)
 
 
 def _layout(rank: int, min_compression_rate: float):
@@ -298,7 +298,7 @@ class PowerSGDState(NamedTuple):
 
 def powersgd(
     rank: int,
-    axis_name: base.AxisName,
+    axis_name: checks.AxisName,
     min_compression_rate: float = 2.0,
     *,
     warm_start: bool = True,
@@ -355,14 +355,14 @@ def powersgd(
     Distributed Optimization <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019.
   """
   rank = _check_rank(rank)
-  axes = base.check_axis_name(axis_name)
+  axes = checks.check_axis_name(axis_name)
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
-  warm_start = base.check_bool(warm_start, "warm_start")
-  seed = base.check_seed(seed)
+  warm_start = checks.check_bool(warm_start, "warm_start")
+  seed = checks.check_seed(seed)
 
   def init(params, bucket):
     _, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)
-    return {"q": q, "rng_key": base.raw_key(seed)}  # the key stays put with a warm start
+    return {"q": q, "rng_key": checks.raw_key(seed)}  # the key stays put with a warm start
 
   def step(ctx, corrected, state):
     view = _view_of(ctx.bucket, rank, min_compression_rate)
@@ -427,7 +427,7 @@ class ACPSGDState(NamedTuple):
 
 def acpsgd(
     rank: int,
-    axis_name: base.AxisName,
+    axis_name: checks.AxisName,
     min_compression_rate: float = 2.0,
     *,
     seed: int = 0,
@@ -484,9 +484,9 @@ def acpsgd(
     Distributed Deep Learning <https://arxiv.org/abs/2306.08881>`_, ICDCS 2023.
   """
   rank = _check_rank(rank)
-  axes = base.check_axis_name(axis_name)
+  axes = checks.check_axis_name(axis_name)
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
-  seed = base.check_seed(seed)
+  seed = checks.check_seed(seed)
 
   def init(params, bucket):
     p, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)

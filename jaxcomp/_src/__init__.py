@@ -1,0 +1,1 @@
+"""jaxcomp's implementation; the public names are re-exported by ``jaxcomp`` and its public modules."""
