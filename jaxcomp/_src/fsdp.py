@@ -148,7 +148,7 @@ def fsdp_transfers(
   """What a step of :func:`make_fsdp_step` sends, by the formulas (pass to ``wire`` to tally).
 
   The gradient's reduce-scatter and the parameters' all-gather over
-  ``fast_axis`` (:func:`jaxcomp.hierarchy.dense_transfers`), the
+  ``fast_axis`` (the dense transfers of :func:`jaxcomp.hierarchical`), the
   compressor's formula for the shard over ``slow_axis`` (its transfers in
   ``jaxcomp.hierarchical(compressor, fast_axis, X)``), and the step's skip:
   one int32 all-reduce over both axes, in place of the hierarchy's flag

@@ -1,7 +1,5 @@
 """Hierarchical exchange: dense on the fast axis, any compressor on the slow one only.
 
-The module is named for the idea: ``jaxcomp.hierarchical`` is the public factory.
-
 On a mesh with a fast axis (NVLink inside a node, ICI inside a slice) of
 ``X`` devices and a slow one (Ethernet or DCN between them), compression pays
 on the slow links only. :func:`hierarchical` wraps any jaxcomp compressor

@@ -11,7 +11,7 @@ fused mean all-reduce per factor (the 2D-torus all-reduce when
 ``axis_name`` is a pair).
 
 Leaves of the same matrix shape are laid side by side and handled as one
-batch (the twelve layers of a transformer share four shapes), so the number
+batch (a transformer's repeated layers share a few shapes), so the number
 of matrix products does not grow with the depth of the model. The factors'
 columns of every leaf are orthonormalised in one zero-padded batch
 (:meth:`MatrixView.columns`), so neither does the orthonormalisation.

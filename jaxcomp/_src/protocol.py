@@ -11,8 +11,8 @@ the rest, once, for every method:
 1. checks: the updates' leaves are real floating arrays (``float0`` leaves pass
    through, complex ones are refused), shaped like the state's parameters;
    an empty bucket (no elements, every leaf frozen) is a no-op;
-2. fusion into one flat f32 bucket (:class:`jaxcomp.fusion.Bucket`);
-3. error feedback: ``c = g + e`` (:mod:`jaxcomp.error_feedback`);
+2. fusion into one flat f32 bucket (:class:`Bucket`);
+3. error feedback: ``c = g + e`` (``error_feedback.py``);
 4. the finiteness test, one reduction over the fused bucket: a device that
    holds a NaN or Inf sends NaN in every floating payload (the *poison*), so
    the mean is non-finite on every device, whatever its payload dropped (a
@@ -147,8 +147,9 @@ class Output(NamedTuple):
   Attributes:
     mean: the decoded mean, ``f32[bucket.size]`` in the bucket's order, or
       one array per bucket leaf (any shape of the leaf's size).
-    residual: what stays behind (see :func:`jaxcomp.error_feedback.absorb`),
-      or :class:`Zeroed` for a sparsifier; ignored without error feedback.
+    residual: what stays behind: ``f32[bucket.size]``, or one array per
+      bucket leaf (``None`` for a leaf whose residual stays as it is), or
+      :class:`Zeroed` for a sparsifier; ignored without error feedback.
     state: new values of the method's own state fields, by name.
     witness: arrays that are all finite exactly when ``mean`` is (a
       low-rank method's factors, a sparsifier's gathered values), to test
@@ -314,8 +315,8 @@ def all_finite(x: jax.Array) -> jax.Array:
 
   ``sum(x - x)`` is NaN exactly when ``x`` holds a NaN or an infinity (and 0
   otherwise, so it never overflows), and a sum is one reduction that reads
-  ``x`` once; ``all(isfinite(x))`` writes an ``x``-sized mask first on
-  XLA:CPU (20 ms against 6 ms on 25.6M entries, 2 cores).
+  ``x`` once, where ``all(isfinite(x))`` writes an ``x``-sized mask first on
+  XLA:CPU.
   """
   return jnp.isfinite(jnp.sum(x - x))
 
@@ -427,9 +428,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
       raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
     bucket = checked_bucket(like, state)
     # Through the leaves (slices of ``flat``): the same program as ``update``'s,
-    # which XLA fuses better than a sum with the concatenated residual (a
-    # low-rank step moves 0.7 fewer passes over the gradient; a sparsifier's
-    # the same).
+    # so the same bits, and XLA fuses each residual's sum into its leaf's
+    # first read, where a sum with the concatenated residual is a pass of its own.
     out, new_state, ok = step(bucket.unflatten(flat, like=like), state, bucket)
     if compact:
       return out.message, new_state, ok

@@ -1,7 +1,4 @@
-"""QSGD (Alistarh et al.): stochastic quantization to ``s`` levels, int8 on the wire.
-
-The module is named for the idea: ``jaxcomp.qsgd`` is the public factory.
-"""
+"""QSGD (Alistarh et al.): stochastic quantization to ``s`` levels, int8 on the wire."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ Three ways to the same question, with their tunables as arguments
   the top k; the exact fallback only when the count above it is far off).
 
 :func:`topk` is what the sparsifiers call: the exact set of ``lax.top_k``, by
-the fastest route for the backend. Measured at density 0.001 on 25.6M f32
-(``experiments/bench_selection.py``): on 2 CPU cores ``lax.top_k`` takes
-152 ms and ``exact_topk`` 13.5 ms (11x); on one H100 ``lax.top_k`` 1.32 ms
-and ``exact_topk`` 1.90 ms. So on CPU buckets from ``exact_min_size`` (4M)
-entries on select with :func:`exact_topk`, smaller ones with ``lax.top_k``;
-on GPU and TPU every bucket selects with ``lax.top_k``.
+the route :func:`tuning_for` picks for the backend: on CPU, buckets of at
+least ``exact_min_size`` entries select with :func:`exact_topk` (one pass over
+the bucket instead of a sort-like ``lax.top_k``), smaller ones with
+``lax.top_k``; on GPU and TPU every bucket selects with ``lax.top_k``, whose
+kernel is faster there than a compaction. ``experiments/bench_selection.py``
+measures both routes; the figures are in ``experiments/results/``.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class Tuning(NamedTuple):
   exact_sample_max: float = 0.25
 
 
-# Measured: on CPU exact_topk takes 1.8x lax.top_k's time at 1M entries, half
-# at 4M, a twelfth at 25.6M; on an H100 it loses at every size.
+# The CPU default switches to exact_topk where its one pass beats lax.top_k
+# (large buckets); GPUs and TPUs keep lax.top_k (bench_selection.py).
 _BY_BACKEND = {"cpu": Tuning(), "gpu": Tuning(exact_min_size=None),
                "cuda": Tuning(exact_min_size=None), "rocm": Tuning(exact_min_size=None),
                "tpu": Tuning(exact_min_size=None)}

@@ -1,8 +1,4 @@
-"""Quantized compressors: scaled 1-bit signs (signSGD, EF-signSGD, majority vote).
-
-The 16-bit dense cast lives in :mod:`jaxcomp.dense` beside the f32 baseline,
-with which it shares its code.
-"""
+"""signSGD: scaled 1-bit signs, bit-packed and all-gathered (EF-signSGD, majority vote)."""
 
 from __future__ import annotations
 
