@@ -1,5 +1,6 @@
 """The local selections of jaxcomp.selection against numpy and ``lax.top_k``."""
 
+import functools
 import math
 
 import hypothesis
@@ -205,9 +206,13 @@ def test_sampled_topk_reads_its_tuning():
 # ------------------------------------------------------------------ exact_topk
 
 
+@functools.lru_cache(maxsize=None)
+def _exact_topk_fn(capacity, ratio):
+  return jax.jit(lambda x, key: selection.exact_topk(x, capacity, key, ratio))
+
+
 def _exact_topk(x, capacity, seed=0, ratio=None):
-  select = jax.jit(lambda x, key: selection.exact_topk(x, capacity, key, ratio))
-  return select(jnp.asarray(x), jax.random.key(seed))
+  return _exact_topk_fn(capacity, ratio)(jnp.asarray(x), jax.random.key(seed))
 
 
 @pytest.mark.parametrize("n,k", [(65536, 400), (300_000, 300), (2**20, 1049)])
@@ -257,13 +262,14 @@ def test_exact_topk_of_everything_is_every_index():
   harness.assert_bitwise_equal(values, x)
 
 
+# Sizes and ratios from small fixed sets: each (n, k, ratio) is one compile.
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
-    n=st.integers(64, 6000),
-    density=st.sampled_from([0.001, 0.01, 0.1, 0.5]),
+    n=st.sampled_from([97, 5000]),
+    density=st.sampled_from([0.001, 0.1, 0.5]),
     levels=st.sampled_from([3, 50, None]),
     seed=st.integers(0, 2**16),
-    ratio=st.sampled_from([0.01, 0.1, 0.5]),
+    ratio=st.sampled_from([0.01, 0.5]),
 )
 def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
   """Any data (few distinct magnitudes: many ties), any sample: the set of lax.top_k."""
