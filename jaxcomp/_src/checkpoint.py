@@ -51,13 +51,15 @@ def _blocks(opt_state: optax.OptState, count: int) -> dict[str, list[int]]:
           for path, x in jax.tree_util.tree_leaves_with_path(opt_state)}
 
 
-def _state_axes(opt_state: optax.OptState) -> dict[str, list[Any]]:
-  """The data axes a per-device state is sharded over: ``{"names": [...], "sizes": [...]}``.
+def _state_axes(opt_state: optax.OptState) -> dict[str, Any]:
+  """The data axes a per-device state is sharded over, and its mesh's axis sizes.
 
-  Read from the first non-empty leaf's sharding (``P(axes)`` on the first
-  dimension, the layout of :func:`jaxcomp.training.init_state`). A state
-  sharded otherwise is one unnamed axis of its device count; a state with
-  nothing to hold has no axes.
+  ``{"names": [...], "sizes": [...], "mesh": {name: size}}``: the axes of the
+  first non-empty leaf's spec (``P(axes)`` on its first dimension, the layout
+  of :func:`jaxcomp.training.init_state`), in order, with their sizes; and
+  every axis of its mesh, since a jitted step's outputs leave the axes of
+  size 1 out of that spec. A state sharded otherwise is one unnamed axis of
+  its device count; a state with nothing to hold has no axes.
   """
   for x in jax.tree.leaves(opt_state):
     if math.prod(x.shape):
@@ -67,9 +69,9 @@ def _state_axes(opt_state: optax.OptState) -> dict[str, list[Any]]:
       names = (names,) if isinstance(names, str) else tuple(names or ())
       sizes = [x.sharding.mesh.shape[a] for a in names]
       if math.prod(sizes) != count:
-        return {"names": [None], "sizes": [count]}
-      return {"names": list(names), "sizes": sizes}
-  return {"names": [], "sizes": []}
+        return {"names": [None], "sizes": [count], "mesh": {}}
+      return {"names": list(names), "sizes": sizes, "mesh": dict(x.sharding.mesh.shape)}
+  return {"names": [], "sizes": [], "mesh": {}}
 
 
 def _drop_empty(tree: chex.ArrayTree) -> chex.ArrayTree:
@@ -146,18 +148,21 @@ def _redistribute_rows(rows: np.ndarray, new: int, what: str = "leaf") -> np.nda
                    for sources in _interval_weights(rows.shape[0], new)]).astype(rows.dtype)
 
 
-def _grid(saved: list[int], sizes: list[int]) -> tuple[int, int, int]:
+def _grid(saved: dict[str, Any], mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, int, int]:
   """``(old rows, new rows, columns)``: how the devices are lined up for the map.
 
-  Two axes whose last (the fast axis of FSDP and :func:`jaxcomp.hierarchical`)
-  keeps its size: the map runs along the first axis within each column, since
-  under FSDP device ``(s, f)`` holds shard ``f`` and only devices of the same
-  ``f`` hold the same coordinates. Otherwise every device in one column, in
-  row-major order.
+  ``saved``: the checkpoint's :func:`_state_axes`. When the new data axes are
+  a pair whose last (the fast axis of FSDP and :func:`jaxcomp.hierarchical`)
+  was the saved state's last axis too, of the same size, the map runs along
+  the first axis within each column: under FSDP device ``(s, f)`` holds shard
+  ``f``, and only devices of the same ``f`` hold the same coordinates.
+  Otherwise all devices are one column, in row-major order.
   """
-  if len(saved) == 2 and len(sizes) == 2 and saved[1] == sizes[1]:
-    return saved[0], sizes[0], saved[1]
-  return math.prod(saved), math.prod(sizes), 1
+  old, new = math.prod(saved["sizes"]), math.prod(mesh.shape[a] for a in axes)
+  columns = mesh.shape[axes[-1]]
+  if len(axes) == 2 and saved["names"][-1:] == [axes[-1]] and saved["sizes"][-1] == columns:
+    return old // columns, new // columns, columns
+  return old, new, 1
 
 
 def save_checkpoint(
@@ -225,12 +230,12 @@ def restore_checkpoint(
   P_old)``, new device ``j`` covers ``[j / P_new, (j + 1) / P_new)`` and gets
   ``sum_i W_ji e_i`` with ``W_ji = P_new |overlap|``: from 8 devices to 4 each
   new one holds the mean of two old ones, from 4 to 8 each old one is copied
-  to two. When the saved and the new data axes are both pairs whose last
-  axis keeps its size (FSDP or :func:`jaxcomp.hierarchical` on another number
-  of nodes), the map runs along the first axis among the devices of each
-  last-axis position, which hold the same shard; otherwise over all devices
-  in row-major order. The parameters are carried: replicated, or FSDP row
-  blocks over a fast axis of the saved size.
+  to two. When ``axis_name`` is a pair whose last axis was the saved state's
+  last data axis too, of the same size (FSDP or :func:`jaxcomp.hierarchical`
+  on another number of nodes), the map runs along the first axis among the
+  devices of each last-axis position, which hold the same shard; otherwise
+  over all devices in row-major order. The parameters are carried:
+  replicated, or FSDP row blocks over a fast axis of the saved size.
 
   Args:
     directory: what :func:`save_checkpoint` wrote.
@@ -264,21 +269,21 @@ def restore_checkpoint(
   checkpointer = _checkpointer()
   metadata = checkpointer.metadata(path).custom_metadata
   axes = layout.mesh_axes(mesh, axis_name)
-  sizes = [mesh.shape[a] for a in axes]
-  count = math.prod(sizes)
+  count = layout.num_replicas(mesh, axes)
   saved_axes = metadata.get(_AXES_KEY)
-  saved_sizes = saved_axes["sizes"] if saved_axes else [metadata.get(_REPLICAS_KEY)]
+  saved_count = (math.prod(saved_axes["sizes"]) if saved_axes
+                 else metadata.get(_REPLICAS_KEY))
 
-  sharded_over = [a for a in jax.tree.leaves(tuple(params_spec)) if a is not None]
-  fast_size = math.prod(mesh.shape[a] for a in sharded_over)
-  # FSDP's state axes are (slow, fast): the saved fast size is the last one.
-  if sharded_over and len(saved_sizes) == 2 and saved_sizes[1] != fast_size:
-    raise ValueError(
-        f"the checkpoint in {path} holds FSDP parameters and state in row blocks for a"
-        f" fast axis of {saved_sizes[1]} devices, but `mesh` has {fast_size} along"
-        f" {sharded_over[0]!r}: every device's state is sized to its shard, so it is not"
-        f" redistributed across shard sizes; restore it onto a mesh with {saved_sizes[1]}"
-        " devices along the fast axis (any number along the slow one)")
+  # FSDP: the parameters' row blocks and the state are sized to the fast axis.
+  for fast in (a for a in jax.tree.leaves(tuple(params_spec)) if a is not None):
+    saved_fast = saved_axes["mesh"].get(fast) if saved_axes else None
+    if saved_fast not in (None, mesh.shape[fast]):
+      raise ValueError(
+          f"the checkpoint in {path} holds FSDP parameters and state in row blocks for a"
+          f" fast axis of {saved_fast} devices, but `mesh` has {mesh.shape[fast]} along"
+          f" {fast!r}: every device's state is sized to its shard, so it is not"
+          f" redistributed across shard sizes; restore it onto a mesh with {saved_fast}"
+          f" devices along {fast!r} (any number along the slow axis)")
   saved_shapes = metadata.get(_SHAPES_KEY)
   if saved_shapes is not None:
     for leaf, shape in _param_shapes(params).items():
@@ -301,7 +306,6 @@ def restore_checkpoint(
             " saved by another transformation, or by jaxcomp.hierarchical or FSDP with"
             " another fast-axis size; restore it with the transformation and fast-axis"
             " size it was saved with")
-  saved_count = math.prod(saved_sizes)
   elastic = has_state and saved_count != count
   if elastic and saved_axes is None:
     raise ValueError(
@@ -331,7 +335,7 @@ def restore_checkpoint(
   })
   state = restored["opt_state"]
   if elastic:
-    old_rows, new_rows, columns = _grid(saved_sizes, sizes)
+    old_rows, new_rows, columns = _grid(saved_axes, mesh, axes)
 
     def move(path, x):
       rows = np.asarray(x).reshape(old_rows, columns, -1)
