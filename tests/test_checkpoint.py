@@ -27,12 +27,14 @@ import pathlib
 import subprocess
 import sys
 import traceback
+from typing import Callable
 
 import jax
 
 if __name__ == "__main__":  # the fresh process: 4 devices
   jax.config.update("jax_num_cpu_devices", 4)
 
+import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -68,7 +70,7 @@ def _params():
 
 
 def _loss(params, batch):
-  return jax.numpy.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+  return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
 
 
 def _batch(step: int):
@@ -149,7 +151,8 @@ class _Setup:
     return out
 
 
-def _method(name: str) -> tuple:
+def _method(name: str) -> tuple[Callable[..., optax.GradientTransformation],
+                                optax.GradientTransformation]:
   """``(compressor(axis), optimizer)``: adamw, or plain SGD after DGC.
 
   adamw's moments are state equal on every device, besides the compressor's
@@ -169,7 +172,7 @@ def _by_column(rows: np.ndarray, columns: int) -> np.ndarray:
   return rows.reshape(rows.shape[0] // columns, columns, -1)
 
 
-def check_restored(saved: dict, restored: dict, setup: _Setup) -> int:
+def _check_restored(saved: dict, restored: dict, setup: _Setup) -> int:
   """Asserts what a restore onto another device count keeps; returns how many
   state leaves were redistributed (not equal on every device of a column)."""
   assert int(restored["step"]) == int(saved["step"])
@@ -194,7 +197,7 @@ def check_restored(saved: dict, restored: dict, setup: _Setup) -> int:
   return redistributed
 
 
-def check_trained(before: dict, after: dict, finite: np.ndarray, setup: _Setup) -> None:
+def _check_trained(before: dict, after: dict, finite: np.ndarray, setup: _Setup) -> None:
   """Asserts that steps after a restore trained: finite, replicas identical, counts advanced."""
   assert finite.all(), finite
   for key in (k for k in after if k.startswith("copies")):
@@ -215,7 +218,7 @@ def check_trained(before: dict, after: dict, finite: np.ndarray, setup: _Setup) 
 # ------------------------------------------------------ the fresh process
 
 
-def restore_every_method(directory: pathlib.Path, layout: str) -> None:
+def _restore_every_method(directory: pathlib.Path, layout: str) -> None:
   """The 4-device process: each method's checkpoint restored, trained on and saved.
 
   Writes ``restored.npz``, ``trained.npz`` and the checkpoint ``trained``
@@ -265,17 +268,17 @@ def test_every_method_restores_onto_4_devices_and_back_onto_8(layout, tmp_path):
       setup4 = _Setup(*_method(name), layout, 4)  # for its paths and columns only
       with np.load(case / "restored.npz") as restored, np.load(case / "trained.npz") as trained:
         restored, trained = dict(restored), dict(trained)
-      moved = check_restored(saved[name], restored, setup4)
+      moved = _check_restored(saved[name], restored, setup4)
       # Every method keeps a per-device residual here, or DGC's momentum.
       assert moved or registry.get(name).state is optax.EmptyState, "nothing redistributed"
-      check_trained(restored, trained, trained.pop("finite"), setup4)
+      _check_trained(restored, trained, trained.pop("finite"), setup4)
 
       setup8 = _Setup(*_method(name), layout, 8)
       params, state, step = setup8.restore(case / "trained")
       back = setup8.record(params, state, step)
-      check_restored(trained, back, setup8)
+      _check_restored(trained, back, setup8)
       params, state, finite = setup8.train(params, state, step, step + MORE_STEPS)
-      check_trained(back, setup8.record(params, state, step + MORE_STEPS), finite, setup8)
+      _check_trained(back, setup8.record(params, state, step + MORE_STEPS), finite, setup8)
     except AssertionError as e:
       failures[name] = str(e)
   assert not failures, "\n\n".join(f"{name}: {message}" for name, message in failures.items())
@@ -438,4 +441,4 @@ def test_a_leaf_that_differs_between_devices_and_is_not_floating_is_named():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["restore"]:
-  restore_every_method(pathlib.Path(sys.argv[2]), sys.argv[3])
+  _restore_every_method(pathlib.Path(sys.argv[2]), sys.argv[3])
