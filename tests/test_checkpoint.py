@@ -433,6 +433,18 @@ def test_redistribution_keeps_the_mean_and_carries_equal_rows():
   np.testing.assert_array_equal(_bits(copies), _bits(np.repeat(rows[:4], 2, axis=0)))
 
 
+def test_devices_of_one_shard_are_combined_only_when_the_fast_axis_keeps_its_size():
+  """``(old rows, new rows, columns)`` of the map for saved axes and a new mesh."""
+  grid = lambda names, sizes, shape, axes: checkpoint_lib._grid(
+      {"names": names, "sizes": sizes}, training.make_mesh(shape, axes), axes)
+  assert grid(["dcn", "ici"], [2, 4], (1, 4), ("dcn", "ici")) == (2, 1, 4)
+  assert grid(["dcn", "ici"], [2, 4], (1, 4), ("slow", "fast")) == (2, 1, 4)  # renamed
+  assert grid(["ici"], [4], (2, 4), ("dcn", "ici")) == (1, 2, 4)  # saved 1x4: dcn dropped
+  assert grid(["x", "y"], [2, 4], (2, 2), ("x", "y")) == (8, 4, 1)  # columns differ
+  assert grid(["data"], [8], (1, 4), ("x", "y")) == (8, 4, 1)  # a ring: one column
+  assert grid(["data"], [8], 4, ("data",)) == (8, 4, 1)
+
+
 def test_a_leaf_that_differs_between_devices_and_is_not_floating_is_named():
   rows = np.arange(8, dtype=np.uint32).reshape(8, 1, 1)
   with pytest.raises(ValueError, match=r"state leaf \[0\].rng_key \(uint32\) differs between"

@@ -153,14 +153,18 @@ def _grid(saved: dict[str, Any], mesh: Mesh, axes: tuple[str, ...]) -> tuple[int
 
   ``saved``: the checkpoint's :func:`_state_axes`. When the new data axes are
   a pair whose last (the fast axis of FSDP and :func:`jaxcomp.hierarchical`)
-  was the saved state's last axis too, of the same size, the map runs along
-  the first axis within each column: under FSDP device ``(s, f)`` holds shard
-  ``f``, and only devices of the same ``f`` hold the same coordinates.
-  Otherwise all devices are one column, in row-major order.
+  keeps the saved state's last axis size, the map runs along the first axis
+  within each column: under FSDP device ``(s, f)`` holds shard ``f``, and
+  only devices of the same ``f`` hold the same coordinates. Otherwise all
+  devices are one column, in row-major order.
   """
   old, new = math.prod(saved["sizes"]), math.prod(mesh.shape[a] for a in axes)
   columns = mesh.shape[axes[-1]]
-  if len(axes) == 2 and saved["names"][-1:] == [axes[-1]] and saved["sizes"][-1] == columns:
+  # A saved pair's last axis is known by its place; a single saved axis may be
+  # the pair's last one with a first of size 1 left out of the spec (a jitted
+  # step's outputs drop such axes), known by its name only.
+  pair_last = len(saved["names"]) == 2 or saved["names"][-1:] == [axes[-1]]
+  if len(axes) == 2 and pair_last and saved["sizes"][-1] == columns:
     return old // columns, new // columns, columns
   return old, new, 1
 
@@ -230,9 +234,9 @@ def restore_checkpoint(
   P_old)``, new device ``j`` covers ``[j / P_new, (j + 1) / P_new)`` and gets
   ``sum_i W_ji e_i`` with ``W_ji = P_new |overlap|``: from 8 devices to 4 each
   new one holds the mean of two old ones, from 4 to 8 each old one is copied
-  to two. When ``axis_name`` is a pair whose last axis was the saved state's
-  last data axis too, of the same size (FSDP or :func:`jaxcomp.hierarchical`
-  on another number of nodes), the map runs along the first axis among the
+  to two. When ``axis_name`` is a pair whose last axis keeps the size of the
+  saved state's last data axis (FSDP or :func:`jaxcomp.hierarchical` on
+  another number of nodes), the map runs along the first axis among the
   devices of each last-axis position, which hold the same shard; otherwise
   over all devices in row-major order. The parameters are carried:
   replicated, or FSDP row blocks over a fast axis of the saved size.
