@@ -178,6 +178,7 @@ def hierarchical(
 
   def update_fn(updates, state, params=None):
     del params
+    protocol.refuse_replicated_state()
     fusion.check_leaves(updates)
     (size,) = checks.axis_sizes((fast_axis,))
     if size != fast_size:

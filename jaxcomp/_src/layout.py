@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import protocol
 from jaxcomp._src import registry
 
 def make_mesh(
@@ -290,7 +291,8 @@ def per_device(
           f" inside a step wrapped by jaxcomp.nnx.data_parallel(mesh, {axis_name!r})), so"
           " that each device sees its own block, and build the state with this"
           " transformation's `init` (or `jaxcomp.training.init_state`)")
-    updates, inner = tx.update(updates, blocks_to_local(blocks, like), params)
+    with protocol.replicated_state(None):  # the state is each device's own here
+      updates, inner = tx.update(updates, blocks_to_local(blocks, like), params)
     return updates, PerDeviceState(local_to_blocks(inner))
 
   update_fn.jaxcomp_per_device_count = count

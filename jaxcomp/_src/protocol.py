@@ -413,6 +413,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
   def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
     del params
+    refuse_replicated_state()
     fusion.check_leaves(updates)
     bucket = checked_bucket(updates, state)
     if bucket.size == 0:  # nothing to exchange: a no-op, still a step
@@ -455,6 +456,36 @@ def attach_spec(update_fn: Callable, spec_: Spec) -> None:
 def spec(tx: Any) -> Optional[Spec]:
   """The :class:`Spec` of a compressor made by :func:`compressor`, else ``None``."""
   return getattr(getattr(tx, "update", None), _SPEC_ATTRIBUTE, None)
+
+
+# Set while jaxcomp.nnx.data_parallel traces a step, where a state is held as
+# one replicated copy unless a per-device transformation lays it out (which
+# sets None around the update it wraps): the error a compressor's update
+# raises there. A jit cache key rather than a plain context variable, so that
+# a jitted function traced outside is traced again inside, and refused.
+_REPLICATED_STATE = jax.make_user_context(None)
+
+
+def replicated_state(error: Optional[str]):
+  """A context in which the compressors traced hold their state as one replicated copy.
+
+  Their update (:func:`refuse_replicated_state`) raises ``ValueError(error)``:
+  a compressor's state (residuals, momenta) differs per device and must be
+  held per device. ``error=None`` lifts it, where a transformation lays its
+  state out per device (:func:`jaxcomp.training.per_device`).
+  """
+  return _REPLICATED_STATE(error)
+
+
+def refuse_replicated_state() -> None:
+  """What a compressor's ``update`` does first: refuse a state held replicated.
+
+  Raises:
+    ValueError: inside :func:`replicated_state` with an error.
+  """
+  error = _REPLICATED_STATE.value
+  if error is not None:
+    raise ValueError(error)
 
 
 def find_specs(tx: Any) -> list[Spec]:
