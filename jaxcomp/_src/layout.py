@@ -271,6 +271,10 @@ def per_device(
     return PerDeviceState(init_state(tx, params, mesh, axis_name))
 
   def update_fn(updates, state, params=None):
+    if protocol.searching():
+      # No mesh and no per-device layout in a search (find_compressors): the
+      # wrapped update runs on a state of its own, for its compressors to report.
+      return tx.update(updates, tx.init(updates), params)[0], state
     like = jax.eval_shape(tx.init, updates)
     blocks = state.jaxcomp_per_device
     if not is_blocks_of(blocks, like):
