@@ -145,6 +145,8 @@ def test_find_specs_of_plain_optax_is_empty_and_keeps_the_order():
 def test_find_compressors_reports_what_each_compressor_is_given():
   """The leaves and dtypes it sees, each compressor once however often it is traced."""
   tx = jaxcomp.gtopk(0.25, "data")
+  assert protocol.find_compressors(tx, PARAMS) == protocol.find_compressors(
+      optax.chain(tx), PARAMS)  # alone (not traced) as in a chain (traced): the whole tree
   (found,) = protocol.find_compressors(optax.masked(tx, {"w": True, "b": False}), PARAMS)
   assert [x.shape for x in jax.tree.leaves(found.updates)] == [(6, 4)]
   half_precision = optax.chain(

@@ -585,6 +585,9 @@ def find_compressors(tx: Any, params: optax.Params) -> list[Found]:
         " `update(updates, state, params)` (an optax transformation, a jaxcomp"
         f" compressor), got {type(tx).__name__}")
   shapes = jax.tree.map(_shape_of, params)
+  own = spec(tx)
+  if own is not None:  # a compressor alone is given the whole tree: what a trace would report
+    return [Found(own, shapes)]
   search = _Search()
 
   def init_and_update(p):
