@@ -565,6 +565,7 @@ def find_compressors(tx: Any, params: optax.Params) -> list[Found]:
   ``lax.cond``, as in ``optax.MultiSteps``) counts once, where it was first
   reported; one that ``update`` never runs is not found. ``params`` is
   required: what an update runs, and on which leaves, depends on the tree.
+  A compressor alone is not traced: it is given the whole tree.
 
   Args:
     tx: an object with ``init(params)`` and ``update(updates, state, params)``
