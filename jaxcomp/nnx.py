@@ -16,9 +16,9 @@ state for the whole model, so two things are added to a Flax loop:
 
 The compressor's mean is identical on every device (bit for bit, tested), so
 the replicated parameters stay replicated; the per-device state is never
-folded into one copy. An optimizer that holds a jaxcomp compressor without
-:func:`per_device` is refused at the first trace, where it would otherwise
-train with eight different residuals held as one.
+folded into one copy. A step that runs a jaxcomp compressor without
+:func:`per_device` around it is refused at the first trace, where it would
+otherwise train with eight different residuals held as one.
 
 Example (8 fake CPU devices; a plain NNX loop plus the marked lines)::
 

@@ -6,6 +6,10 @@ A method is a :class:`Method` (its bucket order, its own state fields and one
 the rest (checks, fusion, error feedback, the finiteness test and the NaN
 poison, keeping the old state on a skipped step, the count and the key). The
 checks validate a factory's arguments the way every jaxcomp factory does.
+:func:`find_compressors` finds the compressors that any transformation runs;
+a wrapper written by hand (as :func:`jaxcomp.hierarchical` is) attaches its
+:class:`Spec` with :func:`attach_spec` and calls :func:`announce` first in
+its ``update``.
 
 Example::
 
@@ -30,6 +34,9 @@ from jaxcomp._src.protocol import compressor as compressor
 from jaxcomp._src.protocol import attach_spec as attach_spec
 from jaxcomp._src.protocol import spec as spec
 from jaxcomp._src.protocol import find_specs as find_specs
+from jaxcomp._src.protocol import find_compressors as find_compressors
+from jaxcomp._src.protocol import Found as Found
+from jaxcomp._src.protocol import announce as announce
 from jaxcomp._src.protocol import all_finite as all_finite
 from jaxcomp._src.protocol import keep_if as keep_if
 from jaxcomp._src.fusion import Bucket as Bucket
@@ -44,6 +51,7 @@ from jaxcomp._src.checks import raw_key as raw_key
 
 __all__ = (
     "all_finite",
+    "announce",
     "attach_spec",
     "AxisName",
     "Bucket",
@@ -54,7 +62,9 @@ __all__ = (
     "check_seed",
     "compressor",
     "Context",
+    "find_compressors",
     "find_specs",
+    "Found",
     "Fused",
     "keep_if",
     "Mean",

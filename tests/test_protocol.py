@@ -64,27 +64,144 @@ def test_a_new_method_gets_the_whole_path_from_one_step_function():
   assert wire.expected_bytes(tx, PARAMS, 8).total == 2 * 7 * 28 * 4 / 8
 
 
-@pytest.mark.parametrize("wrap", [
-    lambda tx: tx,
-    lambda tx: optax.chain(tx, optax.sgd(0.1)),
-    lambda tx: optax.chain(optax.clip(1.0), optax.chain(tx, optax.adam(1e-3))),
-    lambda tx: optax.named_chain(("compress", tx), ("sgd", optax.sgd(0.1))),
-    lambda tx: optax.MultiSteps(optax.chain(tx, optax.sgd(0.1)), 4),
-    lambda tx: optax.MultiSteps(optax.chain(tx, optax.sgd(0.1)), 4).gradient_transformation(),
-    lambda tx: optax.masked(tx, {"w": True, "b": False}),
-], ids=["alone", "chain", "nested", "named_chain", "multisteps", "multisteps_gt", "masked"])
-def test_find_specs_sees_through_optax_wrappers(wrap):
+class Clipped:
+  """A user's own transformation: a class with ``init`` and ``update``, not an optax one."""
+
+  def __init__(self, inner, limit):
+    self.inner = inner
+    self.limit = limit
+
+  def init(self, params):
+    return self.inner.init(params)
+
+  def update(self, updates, state, params=None):
+    updates = jax.tree.map(lambda g: jnp.clip(g, -self.limit, self.limit), updates)
+    return self.inner.update(updates, state, params)
+
+
+class _Parts:
+  """A user's container: the transformation sits in a dict attribute."""
+
+  def __init__(self):
+    self.parts = {}
+
+
+def registered(tx):
+  """A user's wrapper function that reaches ``tx`` through a custom object's dict."""
+  holder = _Parts()
+  holder.parts["compress"] = tx
+
+  def init_fn(params):
+    return holder.parts["compress"].init(params)
+
+  def update_fn(updates, state, params=None):
+    return holder.parts["compress"].update(updates, state, params)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+WRAPPERS = {
+    "alone": lambda tx: tx,
+    "chain": lambda tx: optax.chain(tx, optax.sgd(0.1)),
+    "nested": lambda tx: optax.chain(optax.clip(1.0), optax.chain(tx, optax.adam(1e-3))),
+    "named_chain": lambda tx: optax.named_chain(("compress", tx), ("sgd", optax.sgd(0.1))),
+    "multisteps": lambda tx: optax.MultiSteps(optax.chain(tx, optax.sgd(0.1)), 4),
+    "multisteps_gt": lambda tx: optax.MultiSteps(optax.chain(tx, optax.sgd(0.1)),
+                                                 4).gradient_transformation(),
+    "masked": lambda tx: optax.masked(tx, {"w": True, "b": False}),
+    "apply_if_finite_after": lambda tx: optax.chain(tx, optax.apply_if_finite(optax.sgd(0.1), 3)),
+    "apply_if_finite_around": lambda tx: optax.apply_if_finite(optax.chain(tx, optax.sgd(0.1)), 3),
+    "inject_hyperparams": lambda tx: optax.chain(
+        tx, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4)),
+    "user_class": lambda tx: Clipped(tx, 1.0),
+    "user_class_in_chain": lambda tx: optax.chain(optax.clip(1.0), Clipped(tx, 1.0),
+                                                  optax.sgd(0.1)),
+    "user_dict_attribute": lambda tx: optax.chain(registered(tx), optax.sgd(0.1)),
+    "per_device": lambda tx: training.per_device(optax.chain(tx, optax.sgd(0.1)),
+                                                 training.make_mesh(8), "data"),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_find_specs_finds_the_compressor_inside_any_transformation(wrap):
   tx = jaxcomp.gtopk(0.25, "data")
-  specs = protocol.find_specs(wrap(tx))
+  specs = protocol.find_specs(wrap(tx), PARAMS)
   assert [s.name for s in specs] == ["gtopk"]
   assert specs[0].config == {"density": 0.25, "axis_name": "data"}
   assert specs[0] is protocol.spec(tx)
 
 
 def test_find_specs_of_plain_optax_is_empty_and_keeps_the_order():
-  assert protocol.find_specs(optax.adamw(1e-3)) == []
+  for tx in (optax.adamw(1e-3), optax.chain(optax.clip(1.0), optax.sgd(0.1)),
+             optax.MultiSteps(optax.sgd(0.1), 2), Clipped(optax.sgd(0.1), 1.0)):
+    assert protocol.find_specs(tx, PARAMS) == []
   both = optax.chain(jaxcomp.topk(0.1, "data"), jaxcomp.signsgd("data"))
-  assert [s.name for s in protocol.find_specs(both)] == ["topk", "signsgd"]
+  assert [s.name for s in protocol.find_specs(both, PARAMS)] == ["topk", "signsgd"]
+  nested = optax.chain(Clipped(jaxcomp.signsgd("data"), 1.0),
+                       optax.chain(optax.sgd(0.1), registered(jaxcomp.topk(0.1, "data"))))
+  assert [s.name for s in protocol.find_specs(nested, PARAMS)] == ["signsgd", "topk"]
+
+
+def test_find_compressors_reports_what_each_compressor_is_given():
+  """The leaves and dtypes it sees, each compressor once however often it is traced."""
+  tx = jaxcomp.gtopk(0.25, "data")
+  assert protocol.find_compressors(tx, PARAMS) == protocol.find_compressors(
+      optax.chain(tx), PARAMS)  # alone (not traced) as in a chain (traced): the whole tree
+  (found,) = protocol.find_compressors(optax.masked(tx, {"w": True, "b": False}), PARAMS)
+  assert [x.shape for x in jax.tree.leaves(found.updates)] == [(6, 4)]
+  half_precision = optax.chain(
+      optax.stateless(lambda g, p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), g)), tx)
+  (found,) = protocol.find_compressors(half_precision, PARAMS)
+  assert {x.dtype for x in jax.tree.leaves(found.updates)} == {jnp.dtype(jnp.bfloat16)}
+  # MultiSteps traces the inner update in both branches of its lax.cond.
+  (found,) = protocol.find_compressors(optax.MultiSteps(tx, 2), PARAMS)
+  assert found.spec is protocol.spec(tx)
+  # A hierarchy reports itself with the whole gradient; its inner compressor is not traced.
+  nested = jaxcomp.hierarchical(tx, "ici", 4)
+  (found,) = protocol.find_compressors(optax.chain(nested, optax.sgd(0.1)), PARAMS)
+  assert found.spec is protocol.spec(nested)
+  assert [x.shape for x in jax.tree.leaves(found.updates)] == [(4,), (6, 4)]
+
+
+def _runs_the_mean(tx):
+  """``tx``'s update on 8 devices returns the mean: its compressor runs, it is not passed through."""
+  mesh = training.make_mesh(8)
+  grads = _stacked(2)
+  out, _ = training.make_update(tx, mesh, "data")(training.shard(grads, mesh, "data"),
+                                                  training.init_state(tx, PARAMS, mesh, "data"))
+  for name in PARAMS:
+    np.testing.assert_allclose(np.asarray(out[name]),
+                               np.broadcast_to(grads[name].mean(0), grads[name].shape),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_transformation_that_fails_when_traced_is_named():
+  def bound(updates, state, params=None):
+    return jax.lax.pmean(updates, "data"), state  # binds a mesh axis itself
+
+  tx = optax.chain(jaxcomp.allreduce("data"),
+                   optax.GradientTransformation(lambda p: optax.EmptyState(), bound))
+  with pytest.raises(ValueError, match=r"cannot find the compressors in `tx`.*NameError"):
+    protocol.find_specs(tx, PARAMS)
+  with pytest.raises(TypeError, match=r"`tx` must be a transformation with `init"):
+    protocol.find_specs(jaxcomp.gtopk(0.25, "data").update, PARAMS)
+  _runs_the_mean(tx)  # the failed search is over: the compressor runs again
+
+
+class Jitted:
+  """A user's transformation whose update is jitted: a trace cached across calls."""
+
+  def __init__(self, inner):
+    self.init = inner.init
+    self.update = jax.jit(inner.update)
+
+
+def test_every_search_traces_a_jitted_update_again():
+  """A search is a jit cache key of its own: the last one's cached trace is not reused."""
+  tx = Jitted(jaxcomp.allreduce("data"))
+  for _ in range(2):
+    assert [s.name for s in protocol.find_specs(tx, PARAMS)] == ["allreduce"]
+  _runs_the_mean(tx)
 
 
 def test_send_scales_by_the_group_and_poisons_on_demand():

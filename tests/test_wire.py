@@ -167,6 +167,46 @@ def test_expected_bytes_adds_every_compressor_of_a_chain():
   assert _compiled_bytes(tx, PARAMS).by_kind == wire.expected_bytes(tx, PARAMS, 8).by_kind
 
 
+class Scaled:
+  """A user's own transformation: a class with ``init`` and ``update`` holding a compressor."""
+
+  def __init__(self, inner, factor):
+    self.inner = inner
+    self.factor = factor
+
+  def init(self, params):
+    return self.inner.init(params)
+
+  def update(self, updates, state, params=None):
+    return self.inner.update(jax.tree.map(lambda g: g * self.factor, updates), state, params)
+
+
+_MASK = {"w": True, "b": False, "c": True}
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda tx: optax.masked(tx, _MASK),
+    lambda tx: optax.chain(Scaled(tx, 0.5), optax.sgd(0.1)),
+    lambda tx: optax.chain(tx, optax.apply_if_finite(optax.sgd(0.1), 3)),
+    lambda tx: optax.chain(tx, optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)),
+    lambda tx: optax.chain(optax.masked(tx, _MASK), Scaled(jaxcomp.topk(0.05, "data"), 2.0)),
+], ids=["masked", "user_class", "apply_if_finite_after", "inject_hyperparams", "two"])
+def test_expected_bytes_prices_what_each_compressor_is_given(wrap):
+  """The formula on the leaves each compressor sees: what the compiled program sends."""
+  tx = wrap(jaxcomp.gtopk(0.05, "data"))
+  want = wire.expected_bytes(tx, PARAMS, 8)
+  assert want.total > 0
+  assert _compiled_bytes(tx, PARAMS).by_kind == want.by_kind
+
+
+def test_a_masked_compressor_is_priced_on_its_leaves():
+  tx = jaxcomp.gtopk(0.05, "data")
+  masked = {k: v for k, v in PARAMS.items() if _MASK[k]}  # n = 252
+  assert (wire.expected_bytes(optax.masked(tx, _MASK), PARAMS, 8).by_kind
+          == wire.expected_bytes(tx, masked, 8).by_kind
+          == {"collective-permute": 3 * 8 * 13})  # k = ceil(0.05 * 252)
+
+
 def test_expected_bytes_of_a_plain_optimizer_is_a_type_error():
   for tx in (optax.sgd(0.1), optax.chain(optax.clip(1.0), optax.adamw(1e-3)),
              optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)):

@@ -174,8 +174,29 @@ def hierarchical(
     shards = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shard_shapes(params, fast_size))
     return HierarchicalState(inner_state=compressor.init(shards))
 
+  def wire_cost(shapes, sizes, steps):
+    fast = sizes[fast_axis]
+    shard = shard_shapes(shapes, fast_size)
+    scatter, gather = dense_transfers(shapes, fast_axis, fast, wire_dtype)
+    if fused.message is not None:
+      gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
+                             fast * fused.message.size(fused.layout(shard)) * 4, (fast_axis,))
+    fast_cost = (scatter, gather)
+    if not fused.propagates_nonfinite:
+      fast_cost += (skip_flag(fast_axis, fast),)
+    slow_sizes = {a: sizes[a] for a in inner_spec.axes}
+    return fast_cost + inner_spec.wire(shard, slow_sizes, steps)
+
+  spec = protocol.Spec(
+      name=inner_spec.name,
+      config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
+      axes=inner_spec.axes + (fast_axis,), wire=wire_cost)
+
   def update_fn(updates, state, params=None):
     del params
+    # In a search, the inner compressor is not traced: this spec prices it on the shard.
+    if protocol.announce(spec, updates):
+      return updates, state
     fusion.check_leaves(updates)
     (size,) = checks.axis_sizes((fast_axis,))
     if size != fast_size:
@@ -219,23 +240,7 @@ def hierarchical(
       new_inner = protocol.keep_if(ok, new_inner, state.inner_state)
     return result, HierarchicalState(inner_state=new_inner)
 
-  def wire_cost(shapes, sizes, steps):
-    fast = sizes[fast_axis]
-    shard = shard_shapes(shapes, fast_size)
-    scatter, gather = dense_transfers(shapes, fast_axis, fast, wire_dtype)
-    if fused.message is not None:
-      gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
-                             fast * fused.message.size(fused.layout(shard)) * 4, (fast_axis,))
-    fast_cost = (scatter, gather)
-    if not fused.propagates_nonfinite:
-      fast_cost += (skip_flag(fast_axis, fast),)
-    slow_sizes = {a: sizes[a] for a in inner_spec.axes}
-    return fast_cost + inner_spec.wire(shard, slow_sizes, steps)
-
-  protocol.attach_spec(update_fn, protocol.Spec(
-      name=inner_spec.name,
-      config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
-      axes=inner_spec.axes + (fast_axis,), wire=wire_cost))
+  protocol.attach_spec(update_fn, spec)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

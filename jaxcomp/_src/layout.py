@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import protocol
 from jaxcomp._src import registry
 
 def make_mesh(
@@ -270,6 +271,10 @@ def per_device(
     return PerDeviceState(init_state(tx, params, mesh, axis_name))
 
   def update_fn(updates, state, params=None):
+    if protocol.searching():
+      # No mesh and no per-device layout in a search (find_compressors): the
+      # wrapped update runs on a state of its own, for its compressors to report.
+      return tx.update(updates, tx.init(updates), params)[0], state
     like = jax.eval_shape(tx.init, updates)
     blocks = state.jaxcomp_per_device
     if not is_blocks_of(blocks, like):
@@ -290,7 +295,8 @@ def per_device(
           f" inside a step wrapped by jaxcomp.nnx.data_parallel(mesh, {axis_name!r})), so"
           " that each device sees its own block, and build the state with this"
           " transformation's `init` (or `jaxcomp.training.init_state`)")
-    updates, inner = tx.update(updates, blocks_to_local(blocks, like), params)
+    with protocol.replicated_state(None):  # the state is each device's own here
+      updates, inner = tx.update(updates, blocks_to_local(blocks, like), params)
     return updates, PerDeviceState(local_to_blocks(inner))
 
   update_fn.jaxcomp_per_device_count = count

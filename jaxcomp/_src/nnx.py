@@ -51,24 +51,24 @@ def per_device(
 
 
 def _check_optimizers(args, mesh: Mesh, axis_name) -> None:
-  """Every ``nnx.Optimizer`` holding a compressor keeps its state per device."""
+  """Every ``nnx.Optimizer`` with a per-device state has it for this mesh's device count."""
   count = layout.num_replicas(mesh, axis_name)
   for arg in args:
     for _, node in nnx.iter_graph(arg) if isinstance(arg, nnx.Pytree) else ():
       if not isinstance(node, nnx.Optimizer):
         continue
       built_for = layout.per_device_count(node.tx)
-      if built_for is not None:
-        if built_for != count:
-          raise ValueError(
-              f"the optimizer's per-device state is for {built_for} devices, the mesh"
-              f" has {count} along {axis_name!r}")
-      elif protocol.find_specs(node.tx):
+      if built_for is not None and built_for != count:
         raise ValueError(
-            "an nnx.Optimizer holds a jaxcomp compressor whose state (residuals,"
-            " momenta) is per device, but it would be held as one replicated copy whose"
-            " device copies differ: build it as nnx.Optimizer(model,"
-            f" jaxcomp.nnx.per_device(tx, mesh, {axis_name!r}), wrt=...)")
+            f"the optimizer's per-device state is for {built_for} devices, the mesh"
+            f" has {count} along {axis_name!r}")
+
+
+def _replicated_state_error(axis_name) -> str:
+  return ("a jaxcomp compressor's update runs in the step with its state (residuals,"
+          " momenta), which is per device, held as one replicated copy whose device"
+          " copies would differ: build its nnx.Optimizer as nnx.Optimizer(model,"
+          f" jaxcomp.nnx.per_device(tx, mesh, {axis_name!r}), wrt=...)")
 
 
 def data_parallel(mesh: Mesh, axis_name: checks.AxisName) -> Callable[[Callable], Callable]:
@@ -92,8 +92,10 @@ def data_parallel(mesh: Mesh, axis_name: checks.AxisName) -> Callable[[Callable]
     A decorator of ``step(*args) -> outputs``.
 
   Raises:
-    ValueError: at the first trace, an ``nnx.Optimizer`` among the arguments
-      holds a jaxcomp compressor without :func:`per_device`, or a
+    ValueError: at the first trace, the step runs a jaxcomp compressor's
+      update on a state not held per device (an ``nnx.Optimizer`` built
+      without :func:`per_device`, whatever wraps the compressor in its
+      transformation), or an ``nnx.Optimizer`` among the arguments has a
       per-device state built for another device count.
     TypeError: the step returns a non-floating array (say what to average).
   """
@@ -133,8 +135,12 @@ def data_parallel(mesh: Mesh, axis_name: checks.AxisName) -> Callable[[Callable]
       # The compressors' means are identical on every device by construction
       # (tested bit for bit); the type system cannot see it through ppermute
       # and all_to_all, so the check is off here rather than in user code.
-      return nnx.shard_map(averaged, mesh=mesh, in_specs=in_specs,
-                           out_specs=PartitionSpec(), check_vma=False)(*args)
+      # Traced here, a compressor's update outside per_device (whose state is
+      # held replicated) raises: an nnx.Optimizer keeps no model nor parameter
+      # tree to search its transformation with, and the step shows what runs.
+      with protocol.replicated_state(_replicated_state_error(axis_name)):
+        return nnx.shard_map(averaged, mesh=mesh, in_specs=in_specs,
+                             out_specs=PartitionSpec(), check_vma=False)(*args)
 
     return wrapped
 

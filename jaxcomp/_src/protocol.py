@@ -25,14 +25,18 @@ the rest, once, for every method:
    skipped step leaves every state as it was, on every device alike;
 7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair).
 
-Every transformation carries a :class:`Spec` (its registry name, its
-configuration, its axes and its wire formula) on its ``update`` function, so
-:func:`find_specs` finds the compressors inside any chain and
-:func:`jaxcomp.wire.expected_bytes` prices them. A compressor's spec also
-holds its :class:`Fused` path: the same steps for a wrapper that hands over
-the gradient already fused and takes the mean back fused
-(:func:`jaxcomp.hierarchical`), or, for a method whose mean has a compact
-form (:class:`Message`: the low-rank methods' factors), takes that form back.
+Every compressor carries a :class:`Spec` (its registry name, its
+configuration, its axes and its wire formula) on its ``update`` function, and
+its ``update`` first calls :func:`announce`: while :func:`find_compressors`
+traces a transformation abstractly, each compressor it runs reports its spec
+and the updates it was given, so the compressors inside any transformation
+(optax's wrappers, a user's own) are found by what it runs, and
+:func:`jaxcomp.wire.expected_bytes` prices each on its own leaves. A
+compressor's spec also holds its :class:`Fused` path: the same steps for a
+wrapper that hands over the gradient already fused and takes the mean back
+fused (:func:`jaxcomp.hierarchical`), or, for a method whose mean has a
+compact form (:class:`Message`: the low-rank methods' factors), takes that
+form back.
 """
 
 from __future__ import annotations
@@ -337,7 +341,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
   ``init`` binds no mesh axis; ``update`` runs inside ``shard_map`` (or
   ``pmap``) over ``method.axes`` and returns the mean gradient, identical on
-  every device, in the dtypes of ``updates``.
+  every device, in the dtypes of ``updates`` (in a :func:`find_compressors`
+  search, ``updates`` unchanged: see :func:`announce`).
   """
   fields = getattr(method.state, "_fields", ())
   counted = _has(method.state, "count")
@@ -412,17 +417,6 @@ def compressor(method: Method) -> optax.GradientTransformation:
     checks.axis_sizes(method.axes)  # an unknown axis is named even when nothing is sent
     return method.layout(updates)
 
-  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
-    del params
-    fusion.check_leaves(updates)
-    bucket = checked_bucket(updates, state)
-    if bucket.size == 0:  # nothing to exchange: a no-op, still a step
-      return updates, (state._replace(count=optax.safe_increment(state.count))
-                       if counted else state)
-    out, new_state, ok = step(updates, state, bucket)
-    return (bucket.unflatten(out.mean, like=updates),
-            new_state if ok is None else keep_if(ok, new_state, state))
-
   def fused_update(flat: jax.Array, like: chex.ArrayTree, state, compact: bool = False):
     if compact and method.message is None:
       raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
@@ -441,61 +435,177 @@ def compressor(method: Method) -> optax.GradientTransformation:
   def wire(shapes, axis_sizes, steps=None):
     return method.wire(method.layout(shapes), axis_sizes, steps)
 
-  attach_spec(update_fn, Spec(method.name, dict(method.config), method.axes, wire,
-                              fused=Fused(method.layout, fused_update,
-                                          method.propagates_nonfinite, method.message)))
+  spec_ = Spec(method.name, dict(method.config), method.axes, wire,
+               fused=Fused(method.layout, fused_update, method.propagates_nonfinite,
+                           method.message))
+
+  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
+    del params
+    if announce(spec_, updates):
+      return updates, state
+    fusion.check_leaves(updates)
+    bucket = checked_bucket(updates, state)
+    if bucket.size == 0:  # nothing to exchange: a no-op, still a step
+      return updates, (state._replace(count=optax.safe_increment(state.count))
+                       if counted else state)
+    out, new_state, ok = step(updates, state, bucket)
+    return (bucket.unflatten(out.mean, like=updates),
+            new_state if ok is None else keep_if(ok, new_state, state))
+
+  attach_spec(update_fn, spec_)
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 def attach_spec(update_fn: Callable, spec_: Spec) -> None:
-  """Marks ``update_fn`` as a compressor's, for :func:`spec` and :func:`find_specs`."""
+  """Marks ``update_fn`` as a compressor's, for :func:`spec`.
+
+  ``update_fn`` must call :func:`announce` with the same ``spec_`` first, so
+  that :func:`find_compressors` finds it.
+  """
   setattr(update_fn, _SPEC_ATTRIBUTE, spec_)
 
 
 def spec(tx: Any) -> Optional[Spec]:
-  """The :class:`Spec` of a compressor made by :func:`compressor`, else ``None``."""
+  """The :class:`Spec` of ``tx`` itself when it is a compressor, else ``None``.
+
+  A direct read of ``tx.update``'s spec; :func:`find_specs` finds the
+  compressors inside any transformation.
+  """
   return getattr(getattr(tx, "update", None), _SPEC_ATTRIBUTE, None)
 
 
-def find_specs(tx: Any) -> list[Spec]:
-  """The :class:`Spec` of every compressor inside ``tx``, in the order they run.
+class Found(NamedTuple):
+  """A compressor that a transformation's ``update`` runs (:func:`find_compressors`).
 
-  ``tx`` may be a compressor, an ``optax.chain`` of transformations, an
-  ``optax.MultiSteps``, ``optax.masked`` or any transformation built from
-  them: the search follows the functions' closures (where optax keeps the
-  inner transformations) and the attributes of optax's own objects.
+  Attributes:
+    spec: its :class:`Spec`.
+    updates: the updates it was given, with ``jax.ShapeDtypeStruct`` leaves:
+      the leaves a wrapper hands it (``optax.masked``: the masked ones), in
+      the dtypes they reach it in.
   """
-  found: list[Spec] = []
-  seen: set[int] = set()
 
-  def visit(obj: Any, depth: int) -> None:
-    if depth > 12 or id(obj) in seen:
-      return
-    seen.add(id(obj))
-    own = getattr(obj, _SPEC_ATTRIBUTE, None)
-    if isinstance(own, Spec):
-      found.append(own)
-      return
-    if isinstance(obj, (tuple, list)):
-      for item in obj:
-        visit(item, depth + 1)
-    elif isinstance(obj, dict):
-      for item in obj.values():
-        visit(item, depth + 1)
-    elif hasattr(obj, "__func__") and hasattr(obj, "__self__"):  # a bound method
-      visit(obj.__self__, depth + 1)
-    elif callable(obj) and hasattr(obj, "__code__"):
-      for cell in obj.__closure__ or ():
-        try:
-          visit(cell.cell_contents, depth + 1)
-        except ValueError:  # an empty cell
-          pass
-      visit(getattr(obj, "__wrapped__", None), depth + 1)
-    elif type(obj).__module__.split(".")[0] == "optax" and hasattr(obj, "__dict__"):
-      visit(vars(obj), depth + 1)
+  spec: Spec
+  updates: chex.ArrayTree
 
-  if isinstance(tx, optax.GradientTransformation):
-    visit(tx.update, 0)
-  else:
-    visit(tx, 0)
-  return found
+
+class _Search:
+  """The compressors reported during one :func:`find_compressors` trace, in order."""
+
+  def __init__(self):
+    self.found: list[Found] = []
+
+
+# The search under way (a _Search), or None. A jit cache key rather than a
+# plain context variable: a jitted function traced in a search, where the
+# compressors pass their updates through, must not be reused outside it, and
+# one traced before must be traced again in a search, or its compressors
+# would go unreported; every search is a new value.
+_SEARCH = jax.make_user_context(None)
+
+# Set while jaxcomp.nnx.data_parallel traces a step, where a state is held as
+# one replicated copy unless a per-device transformation lays it out (which
+# sets None around the update it wraps): the error a compressor's update
+# raises there. A jit cache key for the same reason as _SEARCH.
+_REPLICATED_STATE = jax.make_user_context(None)
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def announce(spec_: Spec, updates: optax.Updates) -> bool:
+  """What a compressor's ``update`` does first: ``True`` when it must pass ``updates`` through.
+
+  During a :func:`find_compressors` search, reports the compressor
+  (``spec_``, the shapes of ``updates``) once per search, however many times
+  its update is traced, and returns ``True``: the update then returns
+  ``updates`` and its state unchanged, binding no mesh axis (none is bound in
+  the search). Otherwise returns ``False``, after refusing a state held as one
+  replicated copy (:func:`replicated_state`).
+
+  Raises:
+    ValueError: inside :func:`replicated_state` with an error.
+  """
+  search = _SEARCH.value
+  if search is not None:
+    if not any(f.spec is spec_ for f in search.found):
+      search.found.append(Found(spec_, jax.tree.map(_shape_of, updates)))
+    return True
+  error = _REPLICATED_STATE.value
+  if error is not None:
+    raise ValueError(error)
+  return False
+
+
+def replicated_state(error: Optional[str]):
+  """A context in which the compressors traced hold their state as one replicated copy.
+
+  Their update (:func:`announce`) raises ``ValueError(error)``: a compressor's
+  state (residuals, momenta) differs per device and must be held per device.
+  ``error=None`` lifts it, where a transformation lays its state out per
+  device (:func:`jaxcomp.training.per_device`).
+  """
+  return _REPLICATED_STATE(error)
+
+
+def searching() -> bool:
+  """Whether a :func:`find_compressors` search is tracing: compressors pass through, no mesh is bound."""
+  return _SEARCH.value is not None
+
+
+def find_compressors(tx: Any, params: optax.Params) -> list[Found]:
+  """The compressors that ``tx.update`` runs on gradients shaped like ``params``, in order.
+
+  ``tx.init(params)`` and ``tx.update(params, state, params)`` are traced
+  abstractly (``jax.eval_shape``: nothing is computed) while every jaxcomp
+  compressor reports itself (:func:`announce`) and passes its updates
+  through, binding no mesh axis. So any transformation is searched by what
+  it runs, not by how it holds its parts: optax's wrappers and chains, a
+  user's own class or function. A compressor traced twice (both branches of a
+  ``lax.cond``, as in ``optax.MultiSteps``) counts once, where it was first
+  reported; one that ``update`` never runs is not found. ``params`` is
+  required: what an update runs, and on which leaves, depends on the tree.
+  A compressor alone is not traced: it is given the whole tree.
+
+  Args:
+    tx: an object with ``init(params)`` and ``update(updates, state, params)``
+      (an optax transformation, a jaxcomp compressor, ``optax.MultiSteps``).
+    params: the parameters, or their shapes (``jax.ShapeDtypeStruct``).
+
+  Returns:
+    One :class:`Found` per compressor, in the order ``update`` runs them.
+
+  Raises:
+    TypeError: ``tx`` has no ``init`` or ``update``.
+    ValueError: ``tx.init`` or ``tx.update`` fails when traced so (it needs
+      arguments besides these, or binds a mesh axis itself), naming the error.
+  """
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(
+        "`tx` must be a transformation with `init(params)` and"
+        " `update(updates, state, params)` (an optax transformation, a jaxcomp"
+        f" compressor), got {type(tx).__name__}")
+  shapes = jax.tree.map(_shape_of, params)
+  own = spec(tx)
+  if own is not None:  # a compressor alone is given the whole tree: what a trace would report
+    return [Found(own, shapes)]
+  search = _Search()
+
+  def init_and_update(p):
+    return tx.update(p, tx.init(p), p)
+
+  try:
+    with _SEARCH(search):
+      jax.eval_shape(init_and_update, shapes)
+  except Exception as e:  # whatever the transformation raises, named with the cause
+    raise ValueError(
+        f"cannot find the compressors in `tx` ({type(tx).__name__}): its `init(params)`"
+        " and `update(params, state, params)`, traced abstractly with no mesh axis"
+        " bound (the jaxcomp compressors in it pass their updates through), raised"
+        f" {type(e).__name__}: {e}") from e
+  return search.found
+
+
+def find_specs(tx: Any, params: optax.Params) -> list[Spec]:
+  """The :class:`Spec` of every compressor that ``tx`` runs, in order (:func:`find_compressors`)."""
+  return [found.spec for found in find_compressors(tx, params)]

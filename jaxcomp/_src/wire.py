@@ -10,8 +10,9 @@ a buffer of ``s`` bytes over a group of ``G`` devices, per device:
 
 The compressors state their step as a tuple of :class:`Transfer` built with
 the helpers here (:func:`mean`, :func:`sparse_allgather`, :func:`gtopk`, ...);
-:func:`expected_bytes` finds the compressors inside any transformation or
-chain and sums their formulas. :func:`collective_bytes` reads the same figure
+:func:`expected_bytes` finds the compressors inside any transformation
+(:func:`jaxcomp.protocol.find_compressors`) and sums their formulas, each on
+the leaves it is given. :func:`collective_bytes` reads the same figure
 from the HLO text of a compiled program, with the same ring formulas. Tests
 assert that both agree exactly; they are ``fractions.Fraction`` so that no
 rounding hides a difference.
@@ -31,7 +32,6 @@ import math
 import re
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -457,9 +457,11 @@ def expected_bytes(
   """The bytes per device per step that the formulas of the compressors in ``tx`` predict.
 
   Args:
-    tx: a jaxcomp compressor, or any transformation that holds them
-      (``optax.chain``, ``optax.MultiSteps``, ...): every compressor found in
-      it counts.
+    tx: a jaxcomp compressor, or any transformation that runs them
+      (``optax.chain``, ``optax.MultiSteps``, a user's own, ...): every
+      compressor that :func:`jaxcomp.protocol.find_compressors` finds in it
+      counts, priced on the leaves it is given (``optax.masked``: the masked
+      ones).
     params: the parameters (or gradients, or their shapes) it will see.
     num_devices: the device count for one axis; ``(rows, cols)`` or a mesh
       shape dict for a pair of axes.
@@ -473,6 +475,8 @@ def expected_bytes(
 
   Raises:
     TypeError: ``tx`` holds no jaxcomp compressor.
+    ValueError: ``tx`` cannot be traced to find them (see
+      :func:`jaxcomp.protocol.find_compressors`).
   """
   return tally(transfers(tx, params, num_devices, steps=steps))
 
@@ -486,16 +490,19 @@ def transfers(
     tx: Any, params: optax.Params, num_devices: Union[int, Sequence[int], Mapping[str, int]],
     *, steps: Optional[int] = None,
 ) -> WireCost:
-  """The :class:`Transfer` tuples of every compressor in ``tx`` (what a cost model prices)."""
-  specs = protocol.find_specs(tx)
-  if not specs:
+  """The :class:`Transfer` tuples of every compressor in ``tx`` (what a cost model prices).
+
+  Each compressor's formula on the updates it is given, in the order ``tx``
+  runs them (see :func:`expected_bytes`).
+  """
+  found = protocol.find_compressors(tx, params)
+  if not found:
     raise TypeError(
         "`tx` must be a jaxcomp compressor or a transformation that holds one"
         f" (optax.chain, optax.MultiSteps, ...); {type(tx).__name__} holds no jaxcomp"
         " compressor")
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
   cost = ()
-  for spec in specs:
+  for spec, updates in found:
     sizes = checks.normalize_axis_sizes(spec.axes, num_devices)
-    cost += spec.wire(shapes, dict(zip(spec.axes, sizes)), steps)
+    cost += spec.wire(updates, dict(zip(spec.axes, sizes)), steps)
   return cost
