@@ -288,6 +288,85 @@ def test_nan_on_one_device(name):
   chex.assert_trees_all_equal(new, state)
 
 
+# Gradients whose largest entry is 1e38 (near f32's 3.4e38), 1e-30, or 1e10
+# (PowerSGD's warm start once squared it): the old products and norms
+# overflowed or underflowed there into a silent zero mean.
+EXTREMES = {"1e38": 1e38, "1e-30": 1e-30, "1e10": 1e10}
+
+
+def _extreme_gradients(seed, scale, identical):
+  """Gaussian gradients scaled so the largest entry of each device's leaf is ``scale``."""
+  grads = _per_device_normal(seed, devices=1 if identical else 8)
+
+  def leaf(x):
+    x = np.asarray(x, np.float64)
+    x = x * (scale / np.abs(x).max(axis=tuple(range(1, x.ndim)), keepdims=True))
+    return np.broadcast_to(x, (8,) + x.shape[1:]).astype(np.float32)
+
+  return jax.tree.map(leaf, grads)
+
+
+def _oracle_mean(name, step, m, state, path):
+  """The float64 low-rank mean of one step of ``name`` from the state it started with.
+
+  ``m``: every device's corrected matrix. PowerSGD's warm start enters only
+  through the directions of its columns; ACP-SGD's factors are orthonormal.
+  """
+  if name == "acpsgd" and step % 2:
+    p = _factor(np.asarray(state.p[0]), path, "p")
+    return p @ np.mean([mi.T @ p for mi in m], axis=0).T
+  q = _factor(np.asarray(state.q[0]), path, "q")
+  if name == "acpsgd":
+    return np.mean([mi @ q for mi in m], axis=0) @ q.T
+  p_hat = _gram_schmidt(np.mean([mi @ q for mi in m], axis=0))
+  return p_hat @ np.mean([mi.T @ p_hat for mi in m], axis=0).T
+
+
+@pytest.mark.parametrize("identical", [True, False], ids=["identical", "per_device"])
+@pytest.mark.parametrize("extreme", EXTREMES)
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_extreme_gradients_give_the_low_rank_mean(name, extreme, identical):
+  """Three steps (PowerSGD's warm start, both of ACP-SGD's factors) against float64.
+
+  f32 keeps its relative precision across its normal range, so the tolerance
+  of the unit-scale oracle tests holds relative to the gradients' scale:
+  ``rtol=1e-4``, ``atol=1e-5 * scale`` (the rounding of sums of a few dozen
+  products and of a rank-2 Gram-Schmidt is near 1e-6 of the scale).
+  """
+  scale = EXTREMES[extreme]
+  run = _run(name, "1d")
+  like = jax.eval_shape(run["tx"].init, PARAMS)
+  state = run["states"][0]
+  for step in range(3):
+    grads = _extreme_gradients(10 + step, scale, identical)
+    before = training.device_rows(state, like)
+    out, state = jax.block_until_ready(
+        run["fn"](training.shard(grads, run["mesh"], "data"), state))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)), step
+    for path in COMPRESSED:
+      m = [_matrix(np.asarray(_leaf(grads, path)[i], np.float64)
+                   + np.asarray(_leaf(before.residual, path)[i], np.float64))
+           for i in range(8)]
+      got = _matrix(np.asarray(_leaf(out, path)[0], np.float64))
+      assert np.abs(got).max() > scale / 100, (step, path)  # not the silent zero
+      np.testing.assert_allclose(got, _oracle_mean(name, step, m, before, path),
+                                 rtol=1e-4, atol=1e-5 * scale, err_msg=f"{step} {path}")
+    for path in ("dense.bias", "small"):
+      np.testing.assert_allclose(np.asarray(_leaf(out, path)[0]),
+                                 _leaf(grads, path).astype(np.float64).mean(axis=0),
+                                 rtol=1e-6, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**100, 2.0**-100])
+def test_orthonormalize_rows_near_1e30_and_1e_minus_30(scale):
+  """Such rows come out orthonormal, as at unit scale up to rounding (their squared
+  norms are out of f32's range: Inf gave zero rows, 0 unnormalised ones)."""
+  x = jax.random.normal(jax.random.key(0), (3, 2, 36))
+  want = np.asarray(jax.jit(lowrank._orthonormalize)(x))
+  got = np.asarray(jax.jit(lowrank._orthonormalize)(x * scale))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 # -------------------------------------------------------------------- arguments
 
 

@@ -4,6 +4,12 @@ One rule for every hyperparameter: Python numbers and numpy scalars of the
 right kind are accepted (``np.float32(0.01)`` as a density, ``np.int64(4)`` as
 a rank), bools never stand in for numbers, and an out-of-range value raises a
 ``ValueError`` that names the argument and the allowed range.
+
+Hyperparameters are static: fixed when the transformation is built, they set
+the shapes of what is sent (``k``, the rank, the levels) and the program
+itself. A JAX array, concrete or traced, is refused with a ``TypeError`` that
+says so and how to wrap a factory in ``optax.inject_hyperparams`` anyway (it
+passes every numeric argument as an array unless ``static_args`` names it).
 """
 
 from __future__ import annotations
@@ -101,6 +107,20 @@ def _interval(low, high, low_open, high_open) -> str:
   return f"{left}{show(low)}, {show(high)}{right}"
 
 
+def check_static(value, name: str) -> None:
+  """A ``TypeError`` naming ``name`` when ``value`` is a JAX array (a tracer included)."""
+  if isinstance(value, jax.Array):
+    raise TypeError(
+        f"`{name}` must be a Python value, got a JAX array ({value.dtype}{list(value.shape)}):"
+        " jaxcomp's hyperparameters are static, fixed when the transformation is built"
+        " (they set the shapes of what is sent), so they cannot be traced, scheduled or"
+        " injected. To wrap a jaxcomp factory in optax.inject_hyperparams, name every"
+        " argument that takes a number in `static_args`, the defaults included (it makes"
+        " an array of each): e.g. optax.inject_hyperparams(jaxcomp.qsgd,"
+        " static_args=('levels', 'bucket_size', 'seed'))(8, 'data')"
+    )
+
+
 def check_number(
     value,
     name: str,
@@ -116,9 +136,11 @@ def check_number(
 
   Accepts Python numbers and numpy scalars (and 0-d numpy arrays) of the
   right kind: integers for ``integer=True``, any real otherwise. Refuses
-  bools, strings and arrays with a ``TypeError``; NaN and values outside the
-  range with a ``ValueError`` naming ``name`` and the range.
+  bools, strings and arrays with a ``TypeError`` (JAX arrays as static, see
+  :func:`check_static`); NaN and values outside the range with a
+  ``ValueError`` naming ``name`` and the range.
   """
+  check_static(value, name)
   kind = "an int" if integer else "a number"
   interval = _interval(low, high, low_open, high_open)
   if value is None and allow_none:
@@ -139,7 +161,8 @@ def check_number(
 
 
 def check_bool(value, name: str) -> bool:
-  """``value`` as a bool: Python and numpy bools only."""
+  """``value`` as a bool: Python and numpy bools only (JAX arrays: :func:`check_static`)."""
+  check_static(value, name)
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"`{name}` must be a bool, got {value!r}")
   return bool(value)

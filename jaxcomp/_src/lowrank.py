@@ -15,6 +15,15 @@ batch (a transformer's repeated layers share a few shapes), so the number
 of matrix products does not grow with the depth of the model. The factors'
 columns of every leaf are orthonormalised in one zero-padded batch
 (:meth:`MatrixView.columns`), so neither does the orthonormalisation.
+
+Both methods give a finite, correct mean whenever its rank-one terms fit in
+f32, for gradients near 1e38 as near 1e-30. A factor enters a product with the
+gradients divided by a power of two (from the shapes, or from the factor
+itself where it is identical on every device) that keeps every entry of the
+product within the gradients' largest, and stands multiplied by it beside the
+other factor in the mean; the orthonormalisation takes rows of any scale
+(:func:`_orthonormalize`). A power of two changes exponents only: where the
+unscaled products neither overflowed nor underflowed, these are the same values.
 """
 
 from __future__ import annotations
@@ -114,6 +123,10 @@ class MatrixView:
     """A flat ``Q`` buffer as one ``[count, cols, r]`` batch per group."""
     return _split(flat, [(g, cols, self.rank) for g, _, cols in self.groups])
 
+  def headroom(self, factor: str) -> list[float]:
+    """Per group, :func:`_headroom` of the ``P`` (``factor="p"``) or ``Q`` factors' column length."""
+    return [_headroom(rows if factor == "p" else cols) for _, rows, cols in self.groups]
+
   def length(self, factors: str = "pq") -> int:
     """The longest column of the ``P`` (``"p"``), ``Q`` (``"q"``) or both (``"pq"``) factors."""
     return max((max(rows if "p" in factors else 0, cols if "q" in factors else 0)
@@ -168,6 +181,60 @@ def _join(batches) -> jax.Array:
   return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
+def _headroom(n: int) -> float:
+  """``2**k`` for the least ``k`` with ``2**k >= sqrt(n)``.
+
+  A row of ``n`` entries times a column of norm at most 1 is at most
+  ``sqrt(n)`` times the row's largest entry (Cauchy-Schwarz, for every
+  partial sum too): with the column divided by ``2**k``, never more than it.
+  """
+  return 2.0 ** (((n - 1).bit_length() + 1) // 2)
+
+
+def _unit(x: jax.Array, axis: int) -> jax.Array:
+  """``x`` times a power of two per slice along ``axis`` that brings the slice's largest
+  ``|entry|`` into ``[1, 4)``.
+
+  Exact (a power of two changes exponents only; an entry more than
+  ``2**126`` below its slice's largest, far below that one's precision,
+  flushes to zero), and the slice's products, projections and norms then
+  neither overflow nor underflow where the slice's own would (entries near
+  1e38, or near 1e-30). An all-zero slice stays zero; an Inf or NaN stays.
+  """
+  top = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)  # 0.0: no leaf compressed
+  biased = lax.shift_right_logical(lax.bitcast_convert_type(top, jnp.int32), 23)
+  # 2**(127 - e) takes the binade [2**(e - 127), 2**(e - 126)) to [1, 2). The factor
+  # stays a normal float (XLA:CPU flushes subnormals to zero), so the top binade
+  # (e = 254) lands in [2, 4); e = 255 (Inf, NaN) keeps its value.
+  exponent = jnp.clip(254 - biased, 1, 254)
+  return x * lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
+
+
+def _gram_schmidt(columns: jax.Array, scaled: bool) -> jax.Array:
+  """The rows of ``columns`` (``[B, r, L]``) orthonormalised, see :func:`_orthonormalize`.
+
+  With ``scaled``, each row is first brought to :func:`_unit` scale: a row
+  near 1e38 overflows its projections and its squared norm (``row / Inf``
+  is a zero row), a row near 1e-30 squares to zero and stays unnormalised.
+  """
+  if scaled:
+    columns = _unit(columns, -1)
+  rows = []
+  for i in range(columns.shape[-2]):
+    row = columns[..., i, :]
+    for prev in rows:
+      row = row - jnp.sum(prev * row, axis=-1, keepdims=True) * prev
+    norm = jnp.sqrt(jnp.sum(row * row, axis=-1, keepdims=True))
+    rows.append(row / jnp.where(norm == 0, 1.0, norm))
+  return jnp.stack(rows, axis=-2)
+
+
+# Rows whose largest entry lies in this range square, project and normalise
+# in f32 without overflow or underflow: sqrt(L) 2**32 and L 2**64 are far from
+# 2**128, 2**-64 far from 2**-126.
+_PLAIN_RANGE = (2.0**-32, 2.0**32)
+
+
 def _orthonormalize(columns: jax.Array) -> jax.Array:
   """Modified Gram-Schmidt on each ``[r, L]`` matrix of a ``[B, r, L]`` batch, row by row.
 
@@ -177,18 +244,25 @@ def _orthonormalize(columns: jax.Array) -> jax.Array:
   rounds of reductions, not ``r`` per matrix shape. Zero padding at the end
   of a row changes no projection and no norm, and stays zero.
 
+  Rows of any finite scale give orthonormal rows. A batch whose rows'
+  largest entries all lie in :data:`_PLAIN_RANGE` (or are zero), as an
+  ordinary gradient's factors do, takes the plain program; any other takes
+  the same program on rows brought to unit scale
+  (``_gram_schmidt(scaled=True)``). The scaling is exact, so both give the
+  same result up to rounding; the plain program is kept apart because the
+  scaling, fused into it, changes how XLA orders and contracts its sums, and
+  so its bits. The choice reads the batch only, so it is the same on every
+  device.
+
   Deterministic (the same program on the same input gives the same bits on
   every device). A row that is exactly zero after the projections stays
   zero instead of dividing by zero; NaN stays NaN (poison survives).
   """
-  rows = []
-  for i in range(columns.shape[-2]):
-    row = columns[..., i, :]
-    for prev in rows:
-      row = row - jnp.sum(prev * row, axis=-1, keepdims=True) * prev
-    norm = jnp.sqrt(jnp.sum(row * row, axis=-1, keepdims=True))
-    rows.append(row / jnp.where(norm == 0, 1.0, norm))
-  return jnp.stack(rows, axis=-2)
+  top = jnp.max(jnp.abs(columns), axis=-1, initial=0.0)  # 0.0: no leaf compressed
+  low, high = _PLAIN_RANGE
+  plain = jnp.all((top == 0) | ((top >= low) & (top <= high)))
+  return lax.cond(plain, functools.partial(_gram_schmidt, scaled=False),
+                  functools.partial(_gram_schmidt, scaled=True), columns)
 
 
 def _refill(new: jax.Array, old: jax.Array) -> jax.Array:
@@ -249,6 +323,9 @@ def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array
 def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   """Both methods' mean as its factors: ``f32[p_size + q_size + dense.size]``, ``[P, Q, dense]``.
 
+  ``P Q^T`` is the mean; one of the two is sent scaled down by a power of
+  two and the other carries the inverse scale (see the module's note).
+
   A caller that gathers the means of many shards (:func:`jaxcomp.hierarchical`)
   gathers these instead, a ``rank (m + n) / (m n)`` share of each compressed
   leaf, and forms each shard's ``P Q^T`` itself.
@@ -284,7 +361,10 @@ class PowerSGDState(NamedTuple):
     residual: f32 pytree like the parameters, this device's error feedback
       (zero on the leaves sent dense).
     q: f32 flat buffer of every compressed leaf's ``Q`` factor (the reduced
-      one of the last step, identical on every device), the warm start.
+      one of the last step, identical on every device), the warm start. A
+      column too large for f32 (it reaches ``sqrt(rows)`` times the
+      gradient's largest entry) is kept divided by :func:`_headroom` of
+      ``rows``: the warm start reads the columns' directions only.
     rng_key: raw ``uint32`` key, identical on every device (never folded with
       the device index); draws a fresh ``Q`` each step when ``warm_start`` is
       off.
@@ -370,16 +450,32 @@ def powersgd(
     if not warm_start:
       q_start = jax.random.normal(ctx.key, (view.q_size,), jnp.float32)
     matrices = view.matrices(corrected[:view.lowrank.size])
-    local_p = [jnp.einsum("gmn,gnr->gmr", m, q)
-               for m, q in zip(matrices, view.q_factors(q_start))]
+    # The warm start carries the last mean's magnitude (its product with M would be
+    # |M|^2), and P's orthonormalisation reads only the directions of its columns:
+    # each column of Q is brought to [1, 4) (norm < 4 h, h >= sqrt(cols)) and divided
+    # by 4 h^2, so no entry of M_i Q exceeds the largest of M_i.
+    local_p = [jnp.einsum("gmn,gnr->gmr", m, _unit(q, 1) * (0.25 / h**2))
+               for m, q, h in zip(matrices, view.q_factors(q_start), view.headroom("q"))]
     reduced = ctx.mean(jnp.concatenate([_join(local_p), corrected[view.lowrank.size:]]))
-    p_flat = view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p")
-    p_hat = view.p_factors(p_flat)
-    local_q = [jnp.einsum("gmn,gmr->gnr", m, p) for m, p in zip(matrices, p_hat)]
+    p_hat = view.p_factors(
+        view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p"))
+    # A column of M_i^T P^ reaches sqrt(rows) times the largest entry of M_i: it is
+    # taken with P^ / h and sent so; P^ h stands beside it in every product.
+    p_room = view.headroom("p")
+    local_q = [jnp.einsum("gmn,gmr->gnr", m, p * (1 / h))
+               for m, p, h in zip(matrices, p_hat, p_room)]
     q_mean = ctx.mean(_join(local_q))
-    sent = _products(p_hat, local_q)
+    p_beside = [p * h for p, h in zip(p_hat, p_room)]
+    sent = _products(p_beside, local_q)
+    # The state holds the reduced Q itself where its column fits in f32, and the
+    # column as sent where it does not (the warm start reads its direction only).
+    kept = []
+    for q, h in zip(view.q_factors(q_mean), p_room):
+      full = q * h
+      kept.append(jnp.where(jnp.all(jnp.isfinite(full), axis=1, keepdims=True), full, q))
     new_q = view.uncolumns(
-        _refill(view.columns(q_mean, "q"), view.columns(q_start, "q")), "q")
+        _refill(view.columns(_join(kept), "q"), view.columns(q_start, "q")), "q")
+    p_flat = _join(p_beside)
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
@@ -503,20 +599,28 @@ def acpsgd(
     # the one orthonormalisation are made once, after the switch (a
     # branch's n-sized outputs would be fresh buffers, copied from, and a
     # branch's own program compiles slowly).
+    # A column of M_i Q^ (of M_i^T P^) reaches sqrt(cols) (sqrt(rows)) times the
+    # largest entry of M_i: it is taken with the orthonormal factor divided by h and
+    # sent so, and the factor times h stands beside it in every product. The
+    # orthonormalisation reads the reduced factor's directions only.
     def p_step(matrices):
-      local = [jnp.einsum("gmn,gnr->gmr", m, q)
-               for m, q in zip(matrices, view.q_factors(state.q))]
+      q_hat, q_room = view.q_factors(state.q), view.headroom("q")
+      local = [jnp.einsum("gmn,gnr->gmr", m, q * (1 / h))
+               for m, q, h in zip(matrices, q_hat, q_room)]
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       p_mean = reduced[:view.p_size]
-      return (p_mean, state.q, _join(local), state.q, reduced[view.p_size:],
+      q_beside = _join([q * h for q, h in zip(q_hat, q_room)])
+      return (p_mean, q_beside, _join(local), q_beside, reduced[view.p_size:],
               view.columns(p_mean, "p", length), view.columns(state.p, "p", length))
 
     def q_step(matrices):
-      local = [jnp.einsum("gmn,gmr->gnr", m, p)
-               for m, p in zip(matrices, view.p_factors(state.p))]
+      p_hat, p_room = view.p_factors(state.p), view.headroom("p")
+      local = [jnp.einsum("gmn,gmr->gnr", m, p * (1 / h))
+               for m, p, h in zip(matrices, p_hat, p_room)]
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       q_mean = reduced[:view.q_size]
-      return (state.p, q_mean, state.p, _join(local), reduced[view.q_size:],
+      p_beside = _join([p * h for p, h in zip(p_hat, p_room)])
+      return (p_beside, q_mean, p_beside, _join(local), reduced[view.q_size:],
               view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
 
     even = ctx.count % 2 == 0
