@@ -305,9 +305,9 @@ def _element(x: np.ndarray, index: tuple[int, ...]) -> str:
   return repr(value.item())
 
 
-def _worst(where: str, index, got, want, why: str) -> str:
+def _element_message(where: str, which: str, index, got, want, why: str) -> str:
   index = tuple(int(i) for i in index)
-  return (f"{where}: worst element {index}: got {_element(got, index)}, want"
+  return (f"{where}: {which} element {index}: got {_element(got, index)}, want"
           f" {_element(want, index)}; {why}")
 
 
@@ -331,26 +331,30 @@ def compare(where: str, got: np.ndarray, want: np.ndarray, rule: Rule,
   if got.dtype.kind != "f":
     differs = got != want
     if differs.any():
-      return _worst(where, np.argwhere(differs)[0], got, want, "integers are compared exactly")
+      return _element_message(where, "first differing", np.argwhere(differs)[0], got, want,
+                              "integers are compared exactly")
     return None
   if np.isnan(want).any():
     return f"{where}: the recorded leaf holds NaN"
   if not np.isfinite(got).all():
-    return _worst(where, np.argwhere(~np.isfinite(got))[0], got, want, "not finite")
+    return _element_message(where, "first non-finite", np.argwhere(~np.isfinite(got))[0], got,
+                              want, "not finite")
   if rule.sparse:
     differs = (got == 0) != (want == 0)
     if differs.any():
-      return _worst(where, np.argwhere(differs)[0], got, want,
-                    f"{int(differs.sum())} of {got.size} entries are zero in one and not the"
-                    " other; which entries are zero (the support, the zeroed residual) is exact")
+      return _element_message(
+          where, "first differing", np.argwhere(differs)[0], got, want,
+          f"{int(differs.sum())} of {got.size} entries are zero in one and not the other;"
+          " which entries are zero (the support, the zeroed residual) is exact")
   diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
   if mean and rule.wire_bits is not None:
     low = np.uint32((1 << (24 - rule.wire_bits)) - 1)
     off_grid = (got.view(np.uint32) & low) != 0
     if off_grid.any():
-      return _worst(where, np.argwhere(off_grid)[0], got, want,
-                    f"the mean travelled with {rule.wire_bits} significand bits and must"
-                    " lie on that grid exactly")
+      return _element_message(
+          where, "first off-grid", np.argwhere(off_grid)[0], got, want,
+          f"{int(off_grid.sum())} of {got.size} elements are off the grid of the"
+          f" {rule.wire_bits}-bit float the mean travelled in; it lies on it exactly")
   scale = float(np.abs(want).max()) if want.size else 0.0
   tol = rule.k * EPS * scale
   text = f"{rule.k} eps x max|want| = {rule.k} x {EPS:.3g} x {scale:.6g} = {tol:.3g}"
@@ -364,9 +368,10 @@ def compare(where: str, got: np.ndarray, want: np.ndarray, rule: Rule,
   if want.size and excess.max() > 0:
     index = np.unravel_index(np.argmax(excess), got.shape)
     count = int((excess > 0).sum())
-    return _worst(where, index, got, want,
-                  f"|diff| {diff[index]:.3g} > tolerance {np.broadcast_to(tol, got.shape)[index]:.3g}"
-                  f" ({text}); {count} of {got.size} elements outside")
+    return _element_message(
+        where, "worst", index, got, want,
+        f"|diff| {diff[index]:.3g} > tolerance {np.broadcast_to(tol, got.shape)[index]:.3g}"
+        f" ({text}); {count} of {got.size} elements outside")
   return None
 
 
