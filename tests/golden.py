@@ -284,6 +284,7 @@ def dumps(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def load(path: pathlib.Path = PATH) -> dict[str, np.ndarray]:
+  """The arrays of the file at ``path``, by key (see :func:`record`)."""
   with np.load(io.BytesIO(lzma.decompress(path.read_bytes()))) as npz:
     return {key: npz[key] for key in npz.files}
 
@@ -388,11 +389,13 @@ def check(case: str, arrays: dict[str, np.ndarray]) -> list[str]:
 
   def compare_tree(what: str, got: dict[str, np.ndarray], *, mean: bool = False):
     want = recorded(arrays, case, what)
+    when = "init state" if what == "init" else "step {} {}".format(*what.split("/"))
+    label = f"{case} {when}"
     if sorted(got) != sorted(want):
-      failures.append(f"{case} {what}: leaves {sorted(got)}, recorded {sorted(want)}")
+      failures.append(f"{label}: leaves {sorted(got)}, recorded {sorted(want)}")
       return
     for path in got:
-      failure = compare(f"{case} {what}{path}", got[path], want[path], rule, mean=mean)
+      failure = compare(f"{label}{path}", got[path], want[path], rule, mean=mean)
       if failure:
         failures.append(failure)
 
@@ -402,12 +405,11 @@ def check(case: str, arrays: dict[str, np.ndarray]) -> list[str]:
     mean, state = runner.step(step, runner.from_rows(before))
     for path, x in mean.items():
       if not (x == x[:1]).all():
-        failures.append(f"{case} {step}/mean{path}: the devices' means differ")
+        failures.append(f"{case} step {step} mean{path}: the devices' means differ")
     compare_tree(f"{step}/mean", {path: x[:1] for path, x in mean.items()}, mean=True)
     compare_tree(f"{step}/state", runner.rows(state))
     before = recorded(arrays, case, f"{step}/state")
   return failures
-
 
 
 if __name__ == "__main__":
