@@ -20,7 +20,9 @@ is made on the same bits. The one elementwise exception is DGC's momentum
 (``m * u + g``, Nesterov's ``m * (u + g) + g``), which XLA contracts to a
 fused multiply-add where the CPU has one: one rounding of the velocity,
 which would have to carry a magnitude across the top-k's cut (or a sampled
-threshold's 16-bit truncation) to change a selection.
+threshold's 16-bit truncation) to change a selection; the recorded
+velocities keep the k-th and the next magnitude over 2000 ulps apart on
+every device (at step 0 the momentum is zero and the sum exact).
 
 Why two steps: the first runs from the initial state (zero residuals, the
 seeded factors), the second from a state the method made (error feedback
