@@ -35,8 +35,9 @@ checks that it is, bit for bit), a state leaf once when every device holds
 the same (counts, keys, low-rank factors), every device's row otherwise, in
 the layout of ``training.device_rows`` (device ``d``'s state on row ``d``).
 The ``.npz`` is compressed whole with xz, deterministically: ring and torus
-share most arrays (the sparse and sign methods sum nothing in an order the
-mesh sets), which only a compressor seeing the whole file finds.
+share most arrays (they differ only where a dense mean is reduced, as a ring
+``psum`` or as the torus all-reduce), which only a compressor seeing the
+whole file finds.
 
 How values are compared (:func:`compare`), per case, step and leaf:
 
