@@ -15,13 +15,23 @@ BUCKET = 16
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 elements: a partial last bucket
 
 
+# How close a draw may come to its rounding threshold ``scaled - floor(scaled)``
+# in the oracle's data. XLA sums a bucket's squares for its norm in an order it
+# picks per CPU, which moves ``scaled`` (at most ``LEVELS``) by a few ulps, about
+# 1e-6: a draw closer than that could round the other way than the oracle's.
+_MARGIN = 1e-4
+
+
 def _quantize(x, draws, levels, block):
   """numpy QSGD of a flat f32 ``x`` (a multiple of ``block``): its decoded values."""
   x = x.reshape(-1, block).astype(np.float32)
   norms = np.sqrt((x * x).sum(axis=1, dtype=np.float32))
   scaled = np.float32(levels) * np.abs(x) / np.where(norms == 0, 1, norms)[:, None]
   floor = np.floor(scaled)
-  level = np.minimum(floor + (draws.reshape(x.shape) < scaled - floor), levels)
+  draws = draws.reshape(x.shape)
+  # Every stochastic rounding of these data is decided far from its threshold.
+  assert np.abs(draws - (scaled - floor))[x != 0].min() > _MARGIN
+  level = np.minimum(floor + (draws < scaled - floor), levels)
   return (norms[:, None] / np.float32(levels) * np.sign(x) * level).reshape(-1)
 
 

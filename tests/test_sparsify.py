@@ -140,6 +140,21 @@ def topk_oracle(grads_by_device, residuals, k):
   return harness.densify_reference(values, indices, len(grads_by_device[0])), new
 
 
+def assert_gathered_mean_close(got, want, corrected):
+  """A mean scatter-added from every device's entries: its support exactly, its values
+  to the rounding of the sum.
+
+  Where several devices sent one index, XLA's scatter-add picks the order of their
+  terms (at most P of them, each at most ``max|c| / P``), and the oracle's order is
+  one of many: two orders differ by at most ``(P - 1) eps max|c|``.
+  """
+  np.testing.assert_array_equal(got != 0, want != 0)
+  devices = len(corrected)
+  largest = max(float(np.abs(c).max()) for c in corrected)
+  atol = (devices - 1) * np.finfo(np.float32).eps * largest
+  chex.assert_trees_all_close(got, want, rtol=0, atol=atol)
+
+
 def test_topk_matches_numpy_over_two_steps(mesh8):
   tx = sparsify.topk(0.05, "data")
   k = math.ceil(0.05 * N)
@@ -149,9 +164,10 @@ def test_topk_matches_numpy_over_two_steps(mesh8):
   for seed in (0, 1):
     grads = device_grads(8, seed=seed)
     out, state = step(grads, state)
+    corrected = [harness.flat(grads, d) + residuals[d] for d in range(8)]
     mean, residuals = topk_oracle([harness.flat(grads, d) for d in range(8)], residuals, k)
     harness.assert_same_on_devices(out)
-    harness.assert_bitwise_equal(harness.flat(out, 0), mean)
+    assert_gathered_mean_close(harness.flat(out, 0), mean, corrected)
     for d in range(8):
       # Mass conservation, bit for bit: the residual is c where not sent, 0 where sent.
       kept = training.device_rows(state.residual, params_like())
@@ -165,8 +181,9 @@ def test_topk_without_error_feedback_keeps_no_residual(mesh8):
   assert state.residual == ()
   grads = device_grads(8, seed=2)
   out, _ = harness.step_fn(tx, mesh8)(grads, state)
-  mean, _ = topk_oracle([harness.flat(grads, d) for d in range(8)], [0.0] * 8, k)
-  harness.assert_bitwise_equal(harness.flat(out, 0), mean)
+  by_device = [harness.flat(grads, d) for d in range(8)]
+  mean, _ = topk_oracle(by_device, [0.0] * 8, k)
+  assert_gathered_mean_close(harness.flat(out, 0), mean, by_device)
 
 
 @pytest.mark.parametrize("num", [2, 4, 6, 8])
