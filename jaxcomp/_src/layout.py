@@ -14,8 +14,9 @@ first. A state in another layout is refused at the first trace, by name.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import chex
 import jax
@@ -80,8 +81,14 @@ def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
   delete the caller's own arrays (``device_put`` keeps the caller's buffer as
   one device's shard, whatever ``may_alias`` says).
   """
-  copied = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-  return jax.device_put(copied, NamedSharding(mesh, PartitionSpec()))
+  return _replicated(mesh)(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _replicated(mesh: Mesh) -> Callable[[chex.ArrayTree], chex.ArrayTree]:
+  """:func:`replicate`'s copies, in one program for the whole tree."""
+  return jax.jit(lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def shard(batch: chex.ArrayTree, mesh: Mesh, axis_name: checks.AxisName) -> chex.ArrayTree:
@@ -99,16 +106,41 @@ def state_sharding(mesh: Mesh, axis_name: checks.AxisName, leaf) -> NamedShardin
   return NamedSharding(mesh, PartitionSpec() if empty else axes_spec(axis_name))
 
 
+def _repeated(tree: chex.ArrayTree, mesh: Mesh, axis_name: checks.AxisName,
+              stacked: bool) -> chex.ArrayTree:
+  """Every leaf of ``tree`` once per device, sharded over the data axes: along a
+  new leading axis (``stacked``) or along its first dimension."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  return jax.tree.unflatten(treedef, _repeat(mesh, axis_name, stacked, shapes)(leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _repeat(mesh: Mesh, axis_name: checks.AxisName, stacked: bool,
+            shapes: tuple) -> Callable[[list], list]:
+  """:func:`_repeated`'s program for leaves of ``shapes``: one for the whole tree,
+  where a broadcast per leaf compiles one per leaf shape."""
+  count = num_replicas(mesh, axis_name)
+
+  def repeated_shape(shape):
+    return (count,) + shape if stacked else per_device_shape(shape, count)
+
+  def repeat(leaves):
+    return [jnp.broadcast_to(x, (count,) + jnp.shape(x)).reshape(repeated_shape(jnp.shape(x)))
+            for x in leaves]
+
+  shardings = [state_sharding(mesh, axis_name, jax.ShapeDtypeStruct(repeated_shape(shape), dtype))
+               for shape, dtype in shapes]
+  return jax.jit(repeat, out_shardings=shardings)
+
+
 def stack_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: checks.AxisName) -> chex.ArrayTree:
   """Each leaf copied once per device along a new leading axis, sharded over it.
 
   The layout of per-device data (gradients for :func:`make_update`); state
   takes :func:`tile_per_device`'s.
   """
-  count = num_replicas(mesh, axis_name)
-  return jax.tree.map(
-      lambda x: jax.device_put(jnp.broadcast_to(x, (count,) + jnp.shape(x)),
-                               state_sharding(mesh, axis_name, x)), tree)
+  return _repeated(tree, mesh, axis_name, True)
 
 
 def per_device_shape(shape: Sequence[int], count: int) -> tuple[int, ...]:
@@ -130,14 +162,7 @@ def tile_per_device(tree: chex.ArrayTree, mesh: Mesh, axis_name: checks.AxisName
   in place (a new leading axis is read through a reshape, and XLA then
   copies every residual before writing it). A zero-size leaf is replicated.
   """
-  count = num_replicas(mesh, axis_name)
-
-  def tile(x):
-    x = jnp.asarray(x)
-    tiled = jnp.broadcast_to(x, (count,) + x.shape).reshape(per_device_shape(x.shape, count))
-    return jax.device_put(tiled, state_sharding(mesh, axis_name, x))
-
-  return jax.tree.map(tile, tree)
+  return _repeated(tree, mesh, axis_name, False)
 
 
 def blocks_to_local(blocks: chex.ArrayTree, like: chex.ArrayTree) -> chex.ArrayTree:
