@@ -1,8 +1,25 @@
-"""Eight fake CPU devices for every test, set before any backend starts."""
+"""Eight fake CPU devices for every test, set before any backend starts, and one
+compilation cache for the whole run.
+
+Many tests compile the same program (a method's step on the same mesh, the
+step a fresh process compiles again to resume a checkpoint). The run's first
+process makes a temporary cache directory and exports it, so that the xdist
+workers and every process a test spawns read and write it; it is removed when
+the run ends. A ``JAX_COMPILATION_CACHE_DIR`` set by the user is used as it is.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = tempfile.mkdtemp(prefix="jaxcomp-tests-xla-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+  # Small test programs compile in well under the one-second default.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
@@ -19,3 +36,9 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile("jaxcomp")
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE is not None:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
