@@ -22,6 +22,7 @@ this module is that fresh process.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -242,38 +243,56 @@ def _restore_every_method(directory: pathlib.Path, layout: str) -> None:
 # ----------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_method_restores_onto_4_devices_and_back_onto_8(layout, tmp_path):
-  """One fresh 4-device process restores every method of the layout (8 -> 4);
-  this process restores what it saved (4 -> 8). Every method is checked, and
-  every one that fails is named."""
-  saved = {}
+@functools.lru_cache(maxsize=None)
+def _saved_on_8(layout: str, directory: pathlib.Path):
+  """Every method trained ``SAVED_STEPS`` on 8 devices and saved in ``directory / name / "saved"``.
+
+  Returns ``{name: (setup, record)}``: the setup, whose compiled step the
+  restores back onto 8 devices reuse, and what was saved.
+  """
+  runs = {}
   for name in registry.names():
     setup = _Setup(*_method(name), layout, 8)
     params, state = setup.fresh()
     params, state, _ = setup.train(params, state, 0, SAVED_STEPS)
-    training.save_checkpoint(tmp_path / name / "saved", params, state, SAVED_STEPS)
-    saved[name] = setup.record(params, state, SAVED_STEPS)
+    training.save_checkpoint(directory / name / "saved", params, state, SAVED_STEPS)
+    runs[name] = (setup, setup.record(params, state, SAVED_STEPS))
+  return runs
+
+
+@pytest.fixture(scope="module")
+def saved_on_8(tmp_path_factory):
+  """``saved_on_8(layout)``: the directory of every method's checkpoint and :func:`_saved_on_8`."""
+  directories = {layout: tmp_path_factory.mktemp(layout) for layout in LAYOUTS}
+  return lambda layout: (directories[layout], _saved_on_8(layout, directories[layout]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_method_restores_onto_4_devices_and_back_onto_8(layout, saved_on_8):
+  """One fresh 4-device process restores every method of the layout (8 -> 4);
+  this process restores what it saved (4 -> 8). Every method is checked, and
+  every one that fails is named."""
+  directory, runs = saved_on_8(layout)
   done = subprocess.run(
-      [sys.executable, __file__, "restore", str(tmp_path), layout],
+      [sys.executable, __file__, "restore", str(directory), layout],
       capture_output=True, text=True, timeout=600,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 0, done.stdout + done.stderr
 
   failures = {}
   for name in registry.names():
-    case = tmp_path / name
+    case = directory / name
+    setup8, saved = runs[name]
     try:
       assert not (case / "error.txt").exists(), (case / "error.txt").read_text()
       setup4 = _Setup(*_method(name), layout, 4)  # for its paths and columns only
       with np.load(case / "restored.npz") as restored, np.load(case / "trained.npz") as trained:
         restored, trained = dict(restored), dict(trained)
-      moved = _check_restored(saved[name], restored, setup4)
+      moved = _check_restored(saved, restored, setup4)
       # Every method keeps a per-device residual here, or DGC's momentum.
       assert moved or registry.get(name).state is optax.EmptyState, "nothing redistributed"
       _check_trained(restored, trained, trained.pop("finite"), setup4)
 
-      setup8 = _Setup(*_method(name), layout, 8)
       params, state, step = setup8.restore(case / "trained")
       back = setup8.record(params, state, step)
       _check_restored(trained, back, setup8)
@@ -285,21 +304,17 @@ def test_every_method_restores_onto_4_devices_and_back_onto_8(layout, tmp_path):
 
 
 @pytest.mark.parametrize("name", registry.names())
-def test_ring_of_8_restores_onto_a_2x4_torus_bit_for_bit(name, tmp_path):
+def test_ring_of_8_restores_onto_a_2x4_torus_bit_for_bit(name, saved_on_8):
   """Same device count: each device's block goes to the device of the same
   row-major position, bit for bit, and the torus step trains on it."""
+  directory, runs = saved_on_8("replicated")
+  ring, saved = runs[name]
   compressor, optimizer = _method(name)
-  ring = _Setup(compressor, optimizer, "replicated", 8)
-  params, state = ring.fresh()
-  params, state, _ = ring.train(params, state, 0, SAVED_STEPS)
-  training.save_checkpoint(tmp_path / "ring", params, state, SAVED_STEPS)
-  saved = ring.record(params, state, SAVED_STEPS)
-
   mesh, axes = training.make_mesh((2, 4), ("x", "y")), ("x", "y")
   tx = optax.chain(compressor(axes), optimizer)
   like = _params()
   params, state, step = training.restore_checkpoint(
-      tmp_path / "ring", training.replicate(like, mesh),
+      directory / name / "saved", training.replicate(like, mesh),
       training.init_state(tx, like, mesh, axes), mesh, axes)
   restored = ring.record(params, state, step)
   for key in saved:
