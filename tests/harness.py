@@ -10,6 +10,7 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 import numpy as np
 
@@ -17,6 +18,22 @@ from jaxcomp import collectives
 from jaxcomp import training
 
 EMPTY = collectives.EMPTY_INDEX
+
+
+class Clipped:
+  """A user's own transformation holding another: a class with ``init`` and
+  ``update``, not an optax one, so nothing in optax's closures leads to it."""
+
+  def __init__(self, inner, limit):
+    self.inner = inner
+    self.limit = limit
+
+  def init(self, params):
+    return self.inner.init(params)
+
+  def update(self, updates, state, params=None):
+    updates = jax.tree.map(lambda g: jnp.clip(g, -self.limit, self.limit), updates)
+    return self.inner.update(updates, state, params)
 
 
 def axis_of(names):

@@ -220,15 +220,16 @@ def _loss_fn(params, batch):
 
 
 def _chain_cases():
-  """Every method before every optimizer; a variant before plain SGD only.
-
-  SGD with momentum is there for the methods that refuse it after them.
+  """Every case before plain SGD; every method inside ``optax.MultiSteps`` (its
+  update under a ``lax.cond``); the optimizers with state only where a method
+  refuses them after it (every method trains before adamw in
+  ``tests/test_reliability.py``).
   """
   for case, (name, _) in CASES.items():
     for optimizer in OPTIMIZERS:
-      if optimizer == "sgd_momentum" and not registry.get(name).forbids_after:
-        continue
-      if case in registry.names() or optimizer == "sgd":
+      refused = registry.get(name).forbids_after and optimizer in ("sgd_momentum", "adamw")
+      if optimizer == "sgd" or (case in registry.names()
+                                and (optimizer == "multisteps" or refused)):
         yield case, optimizer
 
 
@@ -253,7 +254,7 @@ def test_chains_into_optimizers_or_is_refused_clearly(case, optimizer):
   for _ in range(4):
     params, state, metrics = jax.block_until_ready(step(params, state, batch))
     assert np.asarray(metrics["finite"]).all()
-    losses.append(float(np.mean(metrics["loss"])))
+    losses.append(float(np.mean(np.asarray(metrics["loss"]))))
   assert losses[-1] < losses[0], losses
   # The step donated the replicated copy, never the caller's own arrays.
   assert not any(x.is_deleted() for x in jax.tree.leaves(PARAMS))

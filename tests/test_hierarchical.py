@@ -245,7 +245,7 @@ def test_chains_and_trains():
   losses = []
   for _ in range(5):
     params, state, metrics = jax.block_until_ready(step(params, state, batch))
-    losses.append(float(np.mean(metrics["loss"])))
+    losses.append(float(np.mean(np.asarray(metrics["loss"]))))
   assert losses[-1] < losses[0]
 
 

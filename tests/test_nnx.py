@@ -12,6 +12,7 @@ import pytest
 import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
+import harness
 
 AXIS = "data"
 
@@ -116,24 +117,9 @@ def test_an_optimizer_without_per_device_state_is_refused_at_first_trace():
     _plain_step(mesh)(model, optimizer, *_data(0))
 
 
-class _Clipped:
-  """A user's own transformation holding a compressor: a class, not an optax one."""
-
-  def __init__(self, inner, limit):
-    self.inner = inner
-    self.limit = limit
-
-  def init(self, params):
-    return self.inner.init(params)
-
-  def update(self, updates, state, params=None):
-    updates = jax.tree.map(lambda g: jnp.clip(g, -self.limit, self.limit), updates)
-    return self.inner.update(updates, state, params)
-
-
 def test_a_compressor_in_a_users_transformation_needs_per_device_too():
   mesh = jax.make_mesh((8,), (AXIS,))
-  tx = _Clipped(optax.chain(jaxcomp.topk(0.1, AXIS), optax.sgd(0.1)), 1.0)
+  tx = harness.Clipped(optax.chain(jaxcomp.topk(0.1, AXIS), optax.sgd(0.1)), 1.0)
   model = _MLP(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   with pytest.raises(ValueError, match=r"jaxcomp.nnx.per_device\(tx, mesh, 'data'\)"):

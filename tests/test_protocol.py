@@ -12,6 +12,7 @@ import jaxcomp
 from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
+import harness
 
 PARAMS = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,))}
 
@@ -64,21 +65,6 @@ def test_a_new_method_gets_the_whole_path_from_one_step_function():
   assert wire.expected_bytes(tx, PARAMS, 8).total == 2 * 7 * 28 * 4 / 8
 
 
-class Clipped:
-  """A user's own transformation: a class with ``init`` and ``update``, not an optax one."""
-
-  def __init__(self, inner, limit):
-    self.inner = inner
-    self.limit = limit
-
-  def init(self, params):
-    return self.inner.init(params)
-
-  def update(self, updates, state, params=None):
-    updates = jax.tree.map(lambda g: jnp.clip(g, -self.limit, self.limit), updates)
-    return self.inner.update(updates, state, params)
-
-
 class _Parts:
   """A user's container: the transformation sits in a dict attribute."""
 
@@ -113,8 +99,8 @@ WRAPPERS = {
     "apply_if_finite_around": lambda tx: optax.apply_if_finite(optax.chain(tx, optax.sgd(0.1)), 3),
     "inject_hyperparams": lambda tx: optax.chain(
         tx, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4)),
-    "user_class": lambda tx: Clipped(tx, 1.0),
-    "user_class_in_chain": lambda tx: optax.chain(optax.clip(1.0), Clipped(tx, 1.0),
+    "user_class": lambda tx: harness.Clipped(tx, 1.0),
+    "user_class_in_chain": lambda tx: optax.chain(optax.clip(1.0), harness.Clipped(tx, 1.0),
                                                   optax.sgd(0.1)),
     "user_dict_attribute": lambda tx: optax.chain(registered(tx), optax.sgd(0.1)),
     "per_device": lambda tx: training.per_device(optax.chain(tx, optax.sgd(0.1)),
@@ -133,11 +119,11 @@ def test_find_specs_finds_the_compressor_inside_any_transformation(wrap):
 
 def test_find_specs_of_plain_optax_is_empty_and_keeps_the_order():
   for tx in (optax.adamw(1e-3), optax.chain(optax.clip(1.0), optax.sgd(0.1)),
-             optax.MultiSteps(optax.sgd(0.1), 2), Clipped(optax.sgd(0.1), 1.0)):
+             optax.MultiSteps(optax.sgd(0.1), 2), harness.Clipped(optax.sgd(0.1), 1.0)):
     assert protocol.find_specs(tx, PARAMS) == []
   both = optax.chain(jaxcomp.topk(0.1, "data"), jaxcomp.signsgd("data"))
   assert [s.name for s in protocol.find_specs(both, PARAMS)] == ["topk", "signsgd"]
-  nested = optax.chain(Clipped(jaxcomp.signsgd("data"), 1.0),
+  nested = optax.chain(harness.Clipped(jaxcomp.signsgd("data"), 1.0),
                        optax.chain(optax.sgd(0.1), registered(jaxcomp.topk(0.1, "data"))))
   assert [s.name for s in protocol.find_specs(nested, PARAMS)] == ["signsgd", "topk"]
 

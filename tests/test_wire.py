@@ -12,6 +12,7 @@ import pytest
 import jaxcomp
 from jaxcomp import training
 from jaxcomp import wire
+import harness
 
 _ASYNC_HLO = """HloModule jit_step, entry_computation_layout={(f32[64]{0})->f32[64]{0}}, num_partitions=4
 
@@ -167,29 +168,16 @@ def test_expected_bytes_adds_every_compressor_of_a_chain():
   assert _compiled_bytes(tx, PARAMS).by_kind == wire.expected_bytes(tx, PARAMS, 8).by_kind
 
 
-class Scaled:
-  """A user's own transformation: a class with ``init`` and ``update`` holding a compressor."""
-
-  def __init__(self, inner, factor):
-    self.inner = inner
-    self.factor = factor
-
-  def init(self, params):
-    return self.inner.init(params)
-
-  def update(self, updates, state, params=None):
-    return self.inner.update(jax.tree.map(lambda g: g * self.factor, updates), state, params)
-
-
 _MASK = {"w": True, "b": False, "c": True}
 
 
 @pytest.mark.parametrize("wrap", [
     lambda tx: optax.masked(tx, _MASK),
-    lambda tx: optax.chain(Scaled(tx, 0.5), optax.sgd(0.1)),
+    lambda tx: optax.chain(harness.Clipped(tx, 0.5), optax.sgd(0.1)),
     lambda tx: optax.chain(tx, optax.apply_if_finite(optax.sgd(0.1), 3)),
     lambda tx: optax.chain(tx, optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)),
-    lambda tx: optax.chain(optax.masked(tx, _MASK), Scaled(jaxcomp.topk(0.05, "data"), 2.0)),
+    lambda tx: optax.chain(optax.masked(tx, _MASK),
+                           harness.Clipped(jaxcomp.topk(0.05, "data"), 2.0)),
 ], ids=["masked", "user_class", "apply_if_finite_after", "inject_hyperparams", "two"])
 def test_expected_bytes_prices_what_each_compressor_is_given(wrap):
   """The formula on the leaves each compressor sees: what the compiled program sends."""
