@@ -21,8 +21,8 @@ EMPTY = collectives.EMPTY_INDEX
 
 
 class Clipped:
-  """A user's own transformation holding another: a class with ``init`` and
-  ``update``, not an optax one, so nothing in optax's closures leads to it."""
+  """A user's own transformation holding another (it clips the updates first):
+  a class with ``init`` and ``update``, not one that optax built."""
 
   def __init__(self, inner, limit):
     self.inner = inner

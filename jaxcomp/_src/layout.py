@@ -84,7 +84,7 @@ def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
   return _replicated(mesh)(tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _replicated(mesh: Mesh) -> Callable[[chex.ArrayTree], chex.ArrayTree]:
   """:func:`replicate`'s copies, in one program for the whole tree."""
   return jax.jit(lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree),
