@@ -222,18 +222,10 @@ def _program(tx, mesh, grads, params, n: int) -> _Program:
   """One step of ``tx.update`` on every device, its state fed back from step to step;
   its compile seconds, its passes over ``f32[n]`` and the elements of one device's state."""
   axes = (SLOW, FAST)  # the arrays' rows, one per device, whichever axes tx reduces over
-  state = training.init_state(tx, params, mesh, axes)
-  elements = sum(x.size for x in jax.tree.leaves(state)) // training.num_replicas(mesh, axes)
-  start = time.perf_counter()
-  update = training.make_update(tx, mesh, axes, donate=True).lower(grads, state).compile()
-  compile_s = time.perf_counter() - start
-
-  def step():
-    nonlocal state
-    out, state = update(grads, state)
-    return out, state
-
-  return _Program(step, compile_s, hlo_counts.count(update.as_text(), n).passes, elements)
+  compiled = compute.compile_update(tx, params, mesh, axes, per_device_grads=grads)
+  elements = sum(x.size for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+  return _Program(compiled.step, compiled.compile_s,
+                  hlo_counts.count(compiled.program, n).passes, elements)
 
 
 def _seconds(step: Callable[[], object]) -> float:

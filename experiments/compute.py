@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
+from jax.sharding import Mesh
 import optax
 
 from experiments import shapes
@@ -135,22 +136,30 @@ class CompiledUpdate(NamedTuple):
   program: str
 
 
-def compile_update(tx: optax.GradientTransformation, grads: optax.Updates) -> CompiledUpdate:
-  """``tx.update`` on one device, compiled, its donated state fed back from step to step.
+def compile_update(
+    tx: optax.GradientTransformation, grads: optax.Updates, mesh: Optional[Mesh] = None,
+    axis_name: Union[str, tuple[str, str]] = AXIS, per_device_grads: optax.Updates = None,
+) -> CompiledUpdate:
+  """``tx.update`` compiled on ``mesh`` (one device by default), its donated state fed back
+  from step to step.
 
-  ``tx`` must be built over the axis ``"data"`` (ACP-SGD alternates its two
-  halves from step to step, DGC walks its schedule).
+  ``grads`` shapes the state; every device is given ``grads`` itself, or its
+  own row of ``per_device_grads`` (:func:`jaxcomp.training.make_update`'s
+  layout). ``tx`` must be built over ``axis_name`` (ACP-SGD alternates its
+  two halves from step to step, DGC walks its schedule).
   """
-  mesh = training.make_mesh(1)
-  state = training.init_state(tx, grads, mesh, AXIS)
-  stacked = training.stack_per_device(grads, mesh, AXIS)
+  mesh = training.make_mesh(1) if mesh is None else mesh
+  state = training.init_state(tx, grads, mesh, axis_name)
+  if per_device_grads is None:
+    per_device_grads = training.stack_per_device(grads, mesh, axis_name)
   start = time.perf_counter()
-  update = training.make_update(tx, mesh, AXIS, donate=True).lower(stacked, state).compile()
+  update = training.make_update(tx, mesh, axis_name, donate=True).lower(
+      per_device_grads, state).compile()
   compile_s = time.perf_counter() - start
 
   def step():
     nonlocal state
-    out, state = update(stacked, state)
+    out, state = update(per_device_grads, state)
     return out, state
 
   return CompiledUpdate(compile_s, step, update.as_text())

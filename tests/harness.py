@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxcomp import collectives
 from jaxcomp import training
+from jaxcomp import wire
 
 EMPTY = collectives.EMPTY_INDEX
 
@@ -54,6 +55,16 @@ def step_fn(tx, mesh, axis="data", max_traces=None):
   """jit(shard_map(update)) over stacked per-device gradients and state."""
   wrap = None if max_traces is None else (lambda f: chex.assert_max_traces(f, n=max_traces))
   return training.make_update(tx, mesh, axis, wrap=wrap)
+
+
+def compiled_bytes_on_a_ring(tx, params, grads, num):
+  """The bytes of ``tx.update``'s program on a ring of ``num`` devices, checked by kind
+  against :func:`jaxcomp.wire.expected_bytes` (``grads``: one row per device)."""
+  mesh = training.make_mesh(num)
+  state = training.init_state(tx, params, mesh, "data")
+  got = wire.collective_bytes(step_fn(tx, mesh).lower(grads, state).compile())
+  assert got.by_kind == wire.expected_bytes(tx, params, num).by_kind
+  return got
 
 
 def run_two_steps(make_tx, params, mesh_shape, axis_names):
