@@ -138,7 +138,8 @@ class CompiledUpdate(NamedTuple):
 
 def compile_update(
     tx: optax.GradientTransformation, grads: optax.Updates, mesh: Optional[Mesh] = None,
-    axis_name: Union[str, tuple[str, str]] = AXIS, per_device_grads: optax.Updates = None,
+    axis_name: Union[str, tuple[str, str]] = AXIS,
+    per_device_grads: Optional[optax.Updates] = None,
 ) -> CompiledUpdate:
   """``tx.update`` compiled on ``mesh`` (one device by default), its donated state fed back
   from step to step.

@@ -19,6 +19,7 @@ import optax
 
 from jaxcomp._src import hierarchical
 from jaxcomp._src import layout
+from jaxcomp._src import protocol
 from jaxcomp._src import registry
 from jaxcomp._src import steps
 from jaxcomp._src import wire
@@ -102,7 +103,7 @@ def make_fsdp_step(
   Wire: :func:`fsdp_transfers`.
   """
   axes = (slow_axis, fast_axis)
-  whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
+  whole = protocol.abstract(like)
   size = mesh.shape[fast_axis]
   shard_like = jax.eval_shape(tx.init, shard_shapes(whole, size))
 

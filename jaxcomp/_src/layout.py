@@ -353,12 +353,6 @@ def local_state(opt_state: optax.OptState, device: int, like: optax.OptState) ->
   return jax.tree.map(lambda x: x[device], device_rows(opt_state, like))
 
 
-def abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
-  """``jax.ShapeDtypeStruct`` leaves of ``tree`` (for ``jax.eval_shape`` of ``tx.init``)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-
-
-
 def check_replicas(tree: chex.ArrayTree, what: str = "tree") -> None:
   """Raises if a leaf held replicated has device copies that differ.
 

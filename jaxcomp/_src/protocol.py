@@ -509,8 +509,9 @@ _SEARCH = jax.make_user_context(None)
 _REPLICATED_STATE = jax.make_user_context(None)
 
 
-def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+def abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """``jax.ShapeDtypeStruct`` leaves of ``tree``: its shapes and dtypes, for abstract tracing."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def announce(spec_: Spec, updates: optax.Updates) -> bool:
@@ -529,7 +530,7 @@ def announce(spec_: Spec, updates: optax.Updates) -> bool:
   search = _SEARCH.value
   if search is not None:
     if not any(f.spec is spec_ for f in search.found):
-      search.found.append(Found(spec_, jax.tree.map(_shape_of, updates)))
+      search.found.append(Found(spec_, abstract(updates)))
     return True
   error = _REPLICATED_STATE.value
   if error is not None:
@@ -585,7 +586,7 @@ def find_compressors(tx: Any, params: optax.Params) -> list[Found]:
         "`tx` must be a transformation with `init(params)` and"
         " `update(updates, state, params)` (an optax transformation, a jaxcomp"
         f" compressor), got {type(tx).__name__}")
-  shapes = jax.tree.map(_shape_of, params)
+  shapes = abstract(params)
   own = spec(tx)
   if own is not None:  # a compressor alone is given the whole tree: what a trace would report
     return [Found(own, shapes)]

@@ -210,7 +210,7 @@ def make_step(
   count = layout.num_replicas(mesh, axis_name)
 
   def step(params, opt_state, batch):
-    layout.check_per_device(opt_state, jax.eval_shape(tx.init, layout.abstract(params)), count,
+    layout.check_per_device(opt_state, jax.eval_shape(tx.init, protocol.abstract(params)), count,
                       "opt_state")
     return sharded(params, opt_state, batch)
 
