@@ -16,7 +16,9 @@ with the machine (:mod:`experiments.hlo_counts`): the kernels a step
 launches and its passes over memory, the bytes its kernels read and write
 over those of one f32 copy of the gradient. The last column
 is the formula's bytes per device per step for ``--devices`` workers on a
-ring, for scale. ``--out`` writes the table as Markdown.
+ring, for scale. Every method also runs with buckets of ``--bucket-cap-mb``
+MiB (25 by default, torch DDP's; 0: one bucket only). ``--out`` writes the
+table as Markdown.
 
 With ``--fast X`` it times instead, on a mesh ``(1, X)`` of axes
 ``("slow", "fast")`` (``X`` fake CPU devices), every registered method two
@@ -86,16 +88,20 @@ def settings(name: str, rank: int, density: float) -> dict:
   return {k: overrides.get(k, v) for k, v in registry.get(name).defaults.items()}
 
 
-def compressors(rank: int, density: float) -> dict[str, Callable[[], optax.GradientTransformation]]:
+def compressors(
+    rank: int, density: float, bucket_cap_mb: float = 0.0
+) -> dict[str, Callable[[], optax.GradientTransformation]]:
   """Label -> factory of every registered method, and of its :data:`VARIANTS`.
 
   Each method runs with its :data:`jaxcomp.registry.METHODS` defaults, its
-  ``rank`` or ``density`` (where it has one) replaced by these.
+  ``rank`` or ``density`` (where it has one) replaced by these; with
+  ``bucket_cap_mb`` (> 0), each also with buckets of that many MiB.
   """
   table = {}
+  buckets = ({"bucket_cap_mb": bucket_cap_mb},) if bucket_cap_mb else ()
   for method in registry.METHODS.values():
     config = settings(method.name, rank, density)
-    for variant in ({}, *VARIANTS.get(method.name, ())):
+    for variant in ({}, *VARIANTS.get(method.name, ()), *buckets):
       chosen = {**config, **variant}
       table[_label(method.name, chosen)] = functools.partial(
           registry.build, method.name, compute.AXIS, **chosen)
@@ -473,6 +479,9 @@ def main(argv=None) -> None:
   parser.add_argument("--fast", type=int, default=0,
                       help="X >= 2: flat against jaxcomp.hierarchical on a (1, X) mesh of"
                            " X fake CPU devices (0: the one-device table)")
+  parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                      help="also run every compressor with buckets of this many MiB"
+                           " (bucket_cap_mb; 0: one bucket only)")
   parser.add_argument("--out", default="",
                       help="also write the Markdown report to this path")
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -481,6 +490,8 @@ def main(argv=None) -> None:
     parser.error("--repeats must be >= 1")
   if args.fast == 1 or args.fast < 0:
     parser.error("--fast must be 0 (off) or >= 2")
+  if args.bucket_cap_mb < 0:
+    parser.error("--bucket-cap-mb must be >= 0 (0: one bucket only)")
 
   if args.fast:
     _use_cpu_devices(args.fast)
@@ -489,7 +500,7 @@ def main(argv=None) -> None:
                    f" {len(jax.devices())} (set before JAX started)")
     report = run_hierarchical(args, argv, hierarchical_names(args.only))
   else:
-    table = compressors(args.rank, args.density)
+    table = compressors(args.rank, args.density, args.bucket_cap_mb)
     wanted = [p for p in args.only.split(",") if p]
     report = run_single(args, argv, {
         name: factory for name, factory in table.items()

@@ -1,6 +1,7 @@
 """The collectives the compressors are built from, usable on their own inside ``shard_map``."""
 
 from jaxcomp._src.collectives import EMPTY_INDEX as EMPTY_INDEX
+from jaxcomp._src.collectives import order_token as order_token
 from jaxcomp._src.collectives import reduce_sum as reduce_sum
 from jaxcomp._src.collectives import reduce_scatter as reduce_scatter
 from jaxcomp._src.collectives import allgather_chunks as allgather_chunks

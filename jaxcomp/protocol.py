@@ -40,11 +40,13 @@ from jaxcomp._src.protocol import announce as announce
 from jaxcomp._src.protocol import all_finite as all_finite
 from jaxcomp._src.protocol import keep_if as keep_if
 from jaxcomp._src.fusion import Bucket as Bucket
+from jaxcomp._src.fusion import plan as plan
 from jaxcomp._src.checks import AxisName as AxisName
 from jaxcomp._src.checks import check_axis_name as check_axis_name
 from jaxcomp._src.checks import check_number as check_number
 from jaxcomp._src.checks import check_bool as check_bool
 from jaxcomp._src.checks import check_density as check_density
+from jaxcomp._src.checks import check_bucket_cap_mb as check_bucket_cap_mb
 from jaxcomp._src.checks import check_seed as check_seed
 from jaxcomp._src.checks import num_selected as num_selected
 from jaxcomp._src.checks import raw_key as raw_key
@@ -57,6 +59,7 @@ __all__ = (
     "Bucket",
     "check_axis_name",
     "check_bool",
+    "check_bucket_cap_mb",
     "check_density",
     "check_number",
     "check_seed",
@@ -72,6 +75,7 @@ __all__ = (
     "Method",
     "num_selected",
     "Output",
+    "plan",
     "raw_key",
     "Spec",
     "spec",

@@ -139,7 +139,7 @@ def test_bad_arguments_are_refused():
 def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   out = tmp_path / "single.md"
   argv = ["--model", "tiny", "--repeats", "1", "--density", "0.1", "--only", "topk,signsgd",
-          "--out", str(out)]
+          "--bucket-cap-mb", "0", "--out", str(out)]
   bench_compression.main(argv)
   report = out.read_text()
   assert "one CPU device" in report and "experiments.hlo_counts" in report
@@ -153,3 +153,18 @@ def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   assert by_label["allreduce"]["x dense"] == "1.00"
   for row in by_label.values():
     assert int(row["kernels"]) >= 3 and float(row["passes"]) >= 2.0
+
+
+def test_buckets_add_a_row_per_method(tmp_path):
+  out = tmp_path / "buckets.md"
+  bench_compression.main(["--model", "tiny", "--repeats", "1", "--density", "0.1", "--only",
+                          "gtopk", "--bucket-cap-mb", "0.001", "--out", str(out)])
+  ((header, rows),) = _tables(out.read_text())
+  by_label = {row[0]: dict(zip(header, row)) for row in rows}
+  assert set(by_label) == {"allreduce", "gtopk(density=0.1)", "allreduce(bucket_cap_mb=0.001)",
+                           "gtopk(density=0.1, bucket_cap_mb=0.001)"}
+  # Each bucket is its own exchange: more kernels than one bucket, the same bytes' order.
+  assert (int(by_label["gtopk(density=0.1, bucket_cap_mb=0.001)"]["kernels"])
+          > int(by_label["gtopk(density=0.1)"]["kernels"]))
+  with pytest.raises(SystemExit):
+    bench_compression.main(["--bucket-cap-mb", "-1"])

@@ -45,6 +45,12 @@ VARIANTS = {
     "signsgd_majority": ("signsgd", {"majority_vote": True}),
     "qsgd_error_feedback": ("qsgd", {"error_feedback": True}),
     "powersgd_cold": ("powersgd", {"warm_start": False}),
+    # Two buckets of PARAMS (1 KiB each): every check below holds bucket by bucket.
+    "gtopk_buckets": ("gtopk", {"bucket_cap_mb": 1e-3}),
+    "randomk_buckets": ("randomk", {"bucket_cap_mb": 1e-3}),
+    "dgc_warmup_clip_buckets": ("dgc", {"density": 0.1, "clip_norm": 10.0, "warmup_steps": 4,
+                                        "sample_ratio": 0.5, "bucket_cap_mb": 1e-3}),
+    "acpsgd_buckets": ("acpsgd", {"bucket_cap_mb": 1e-3}),
 }
 CASES = {name: (name, {}) for name in registry.names()} | VARIANTS
 MESHES = {"ring": (8, ("data",)), "torus": ((2, 4), ("x", "y"))}
@@ -385,10 +391,12 @@ def test_a_state_without_its_device_axis_names_the_helper():
 
 @pytest.mark.parametrize("case", CASES)
 def test_reductions_do_not_grow_with_the_number_of_leaves(case):
-  """One finiteness test over the fused bucket, not one per leaf (compile time)."""
+  """One finiteness test over the fused bucket, not one per leaf (compile time): as
+  many elements in twice the leaves, as many reductions (with buckets, the same
+  buckets' sizes)."""
 
   def reductions(leaves):
-    params = {f"w{i}": jnp.zeros((4, 6)) for i in range(leaves)}
+    params = {f"w{i}": jnp.zeros((48 // leaves, 6)) for i in range(leaves)}
     mesh = training.make_mesh(8)
     tx = _make(case, "data")
     state = training.init_state(tx, params, mesh, "data")

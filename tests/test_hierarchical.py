@@ -25,9 +25,9 @@ PARAMS = {"conv": jnp.zeros((3, 3, 4, 8)), "w": jnp.zeros((18, 12)), "b": jnp.ze
 SMALL_MODEL = {"density": 0.2, "rank": 2, "levels": 4, "bucket_size": 32}
 
 
-def _inner(name):
-  config = {k: v for k, v in SMALL_MODEL.items() if k in registry.get(name).defaults}
-  return registry.build(name, "dcn", **config)
+def _inner(name, **config):
+  small = {k: v for k, v in SMALL_MODEL.items() if k in registry.get(name).defaults}
+  return registry.build(name, "dcn", **small, **config)
 
 
 def _grads(seed):
@@ -138,27 +138,38 @@ def _through_the_fused_path(tx, compact=False):
 
   def update(updates, state, params=None):
     del params
-    bucket = fused.layout(updates)
-    mean, new_state, ok = fused.update(bucket.flatten(updates), updates, state, compact=compact)
-    if compact:
-      decoded = jax.vmap(functools.partial(fused.message.decode, bucket))(mean[None])
-      mean = jnp.concatenate([m[0].reshape(-1) for m in decoded])
+
+    def exchange(index, bucket, after, compress):
+      del index, after  # one exchange per bucket here, in order
+      mean, out = compress(bucket.flatten(updates))
+      if compact:
+        decoded = jax.vmap(functools.partial(fused.message.decode, bucket))(mean[None])
+        mean = jnp.concatenate([m[0].reshape(-1) for m in decoded])
+      return (bucket, mean), out
+
+    results, new_state, ok = fused.update(updates, state, exchange, compact=compact)
     if ok is not None:
       new_state = protocol.keep_if(ok, new_state, state)
-    return bucket.unflatten(mean, like=updates), new_state
+    for bucket, mean in results:
+      updates = bucket.unflatten(mean, like=updates)
+    return updates, new_state
 
   return optax.GradientTransformation(tx.init, update)
 
 
+@pytest.mark.parametrize("cap", [None, 1e-4], ids=["one_bucket", "buckets"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16_leaf"])
 @pytest.mark.parametrize("name", registry.names())
-def test_the_fused_path_is_the_update_of_the_same_leaves(name, dtype):
+def test_the_fused_path_is_the_update_of_the_same_leaves(name, dtype, cap):
   """Flat in, flat out (what the hierarchy hands over): the same bits as ``update``,
   outputs and states, over three steps (ACP-SGD's two kinds, then a NaN skipped);
-  a low-rank mean also as its gathered factors, decoded."""
+  a low-rank mean also as its gathered factors, decoded. With buckets of about 100
+  bytes too, bucket by bucket."""
   params = {**PARAMS, "h": jnp.zeros((6, 5), dtype)}
   mesh = training.make_mesh((2,), ("dcn",))
-  tx = _inner(name)
+  tx = _inner(name, bucket_cap_mb=cap)
+  if cap is not None:
+    assert len(protocol.spec(tx).fused.plan(params)) > 2
   candidates = [tx, _through_the_fused_path(tx)]
   if protocol.spec(tx).fused.message is not None:
     candidates.append(_through_the_fused_path(tx, compact=True))
@@ -224,7 +235,7 @@ def test_only_a_method_with_a_message_hands_over_a_compact_mean():
   fused = protocol.spec(jaxcomp.gtopk(0.1, "dcn")).fused
   assert fused.message is None
   with pytest.raises(ValueError, match="`compact` needs a method with a message"):
-    fused.update(jnp.zeros(4), {"w": jnp.zeros(4)}, None, compact=True)
+    fused.update({"w": jnp.zeros(4)}, None, None, compact=True)
   for name in ("powersgd", "acpsgd"):
     assert protocol.spec(registry.build(name, "dcn")).fused.message is not None
 

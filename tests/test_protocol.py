@@ -113,7 +113,7 @@ def test_find_specs_finds_the_compressor_inside_any_transformation(wrap):
   tx = jaxcomp.gtopk(0.25, "data")
   specs = protocol.find_specs(wrap(tx), PARAMS)
   assert [s.name for s in specs] == ["gtopk"]
-  assert specs[0].config == {"density": 0.25, "axis_name": "data"}
+  assert specs[0].config == {"density": 0.25, "axis_name": "data", "bucket_cap_mb": None}
   assert specs[0] is protocol.spec(tx)
 
 

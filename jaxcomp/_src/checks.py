@@ -173,6 +173,12 @@ def check_density(density) -> float:
   return check_number(density, "density", low=0.0, high=1.0, low_open=True)
 
 
+def check_bucket_cap_mb(bucket_cap_mb) -> Optional[float]:
+  """``bucket_cap_mb`` must be ``None`` (one bucket) or a number of MiB in (0, inf)."""
+  return check_number(bucket_cap_mb, "bucket_cap_mb", low=0.0, high=math.inf, low_open=True,
+                      high_open=True, allow_none=True)
+
+
 def check_seed(seed) -> int:
   """``seed`` must be an int in ``[0, 2**32)`` (a PRNG seed)."""
   return check_number(seed, "seed", integer=True, low=0, high=2**32, high_open=True)

@@ -24,6 +24,31 @@ EMPTY_INDEX = np.iinfo(np.int32).max
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
+# ------------------------------------------------------------------- ordering
+
+
+def order_token(received: jax.Array) -> jax.Array:
+  """An f32 scalar 0 read from ``received``, a collective's result.
+
+  Added to what a later collective sends, it makes that collective depend on
+  this one: XLA keeps the two apart and in this order. Independent
+  collectives of one program are merged by XLA's combiner passes (on CPU
+  every all-reduce into one; on GPU up to about 30 MiB), which run before an
+  optimisation barrier is expanded, so a barrier does not hold them apart.
+  The token is 0 for any value (a non-finite entry reads as 0, so one
+  bucket's NaN does not reach the next), and XLA does not fold ``x * 0``
+  for floats.
+
+  Args:
+    received: any array of at least one element.
+
+  Returns:
+    ``f32[]``, zero.
+  """
+  first = received.reshape(-1)[0].astype(jnp.float32)
+  return jnp.where(jnp.isfinite(first), first, 0.0) * 0.0
+
+
 # ----------------------------------------------------------------- dense sums
 
 

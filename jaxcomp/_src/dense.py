@@ -6,7 +6,7 @@ the wire, so both are built by one factory here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import optax
@@ -16,8 +16,10 @@ from jaxcomp._src import protocol
 from jaxcomp._src import wire
 
 
-def _dense_mean(name: str, config: dict, axis_name: checks.AxisName, wire_dtype):
+def _dense_mean(name: str, config: dict, axis_name: checks.AxisName, wire_dtype,
+                bucket_cap_mb: Optional[float]):
   axes = checks.check_axis_name(axis_name)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def step(ctx, corrected, state):
     del state
@@ -28,11 +30,14 @@ def _dense_mean(name: str, config: dict, axis_name: checks.AxisName, wire_dtype)
     return wire.mean(bucket.size, sizes, wire_dtype=wire_dtype)
 
   return protocol.compressor(protocol.Method(
-      name=name, config={**config, "axis_name": axis_name}, axes=axes,
-      state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True))
+      name=name, config={**config, "axis_name": axis_name, "bucket_cap_mb": bucket_cap_mb},
+      axes=axes, state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True,
+      bucket_cap_mb=bucket_cap_mb))
 
 
-def allreduce(axis_name: checks.AxisName) -> optax.GradientTransformation:
+def allreduce(
+    axis_name: checks.AxisName, *, bucket_cap_mb: Optional[float] = None
+) -> optax.GradientTransformation:
   """The dense mean of the gradients over the device axis: synchronous SGD.
 
   Every leaf is fused into one f32 buffer and averaged with one all-reduce (a
@@ -42,6 +47,10 @@ def allreduce(axis_name: checks.AxisName) -> optax.GradientTransformation:
 
   Args:
     axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's mean is
+      the same as without buckets, bit for bit.
 
   Returns:
     An ``optax.GradientTransformation``
@@ -50,16 +59,19 @@ def allreduce(axis_name: checks.AxisName) -> optax.GradientTransformation:
 
   Wire: ring all-reduce, ``2 (P - 1) / P * 4 n`` bytes per device for ``n``
   gradient elements; on an ``R x C`` torus, ``(R - 1) / R * 4 n`` twice (the
-  reduce-scatter and the all-gather) plus ``2 (C - 1) / C * 4 n / R``.
+  reduce-scatter and the all-gather) plus ``2 (C - 1) / C * 4 n / R``. With
+  buckets, the formula of each bucket's ``n``.
 
   Example::
 
     tx = optax.chain(jaxcomp.allreduce("data"), optax.sgd(0.1, momentum=0.9))
   """
-  return _dense_mean("allreduce", {}, axis_name, None)
+  return _dense_mean("allreduce", {}, axis_name, None, bucket_cap_mb)
 
 
-def cast(dtype: Any, axis_name: checks.AxisName) -> optax.GradientTransformation:
+def cast(
+    dtype: Any, axis_name: checks.AxisName, *, bucket_cap_mb: Optional[float] = None
+) -> optax.GradientTransformation:
   """The dense mean with 16-bit values on the wire (fp16 or bf16).
 
   The f32 gradient buffer is rounded to ``dtype`` and averaged as a
@@ -74,6 +86,10 @@ def cast(dtype: Any, axis_name: checks.AxisName) -> optax.GradientTransformation
     dtype: the wire dtype, ``jnp.float16`` or ``jnp.bfloat16`` (``jnp.float32``
       is accepted and is the same as :func:`allreduce`).
     axis_name: the data-parallel mesh axis, or a pair of axes for the torus.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket is
+      padded to a multiple of ``P`` on its own.
 
   Returns:
     An ``optax.GradientTransformation`` with an empty state.
@@ -95,4 +111,4 @@ def cast(dtype: Any, axis_name: checks.AxisName) -> optax.GradientTransformation
         f" float32), got {wire_type}"
     )
   return _dense_mean("cast", {"dtype": wire_type.name}, axis_name,
-                     None if wire_type.itemsize == 4 else wire_type)
+                     None if wire_type.itemsize == 4 else wire_type, bucket_cap_mb)

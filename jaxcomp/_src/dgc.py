@@ -121,6 +121,7 @@ def dgc(
     nesterov: bool = False,
     seed: int = 0,
     sparse_leaves: SparseLeaves = "rank>1",
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """Deep Gradient Compression (all five parts of the paper).
 
@@ -175,6 +176,12 @@ def dgc(
       rule; the rest go dense), ``"all"`` (every leaf in the sparse bucket,
       the message is then ``8 k`` bytes: ``4 n / 8 k = 1 / (2 density)``,
       500x at density 0.001), or a callable ``shape -> bool``.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket has
+      its own ``k`` (of its sparse leaves, the warm-up's too), its own
+      sample, and its own clip: ``clip_norm`` then bounds each bucket's
+      norm, not the whole gradient's.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`DGCState`, whose
@@ -186,7 +193,8 @@ def dgc(
   ``n_d`` other elements, ``2 (P - 1) / P * 4 n_d``. One device's message
   is ``8 k + 4 n_d`` bytes. :func:`jaxcomp.wire.expected_bytes` with
   ``steps=T`` weights the stages over the first ``T`` steps; without, it
-  gives the steady state after the warm-up.
+  gives the steady state after the warm-up. With buckets, the formula of
+  each bucket's sparse and dense leaves.
 
   Example::
 
@@ -206,6 +214,7 @@ def dgc(
       momentum, nesterov, clip_norm, warmup_steps, sample_ratio, sparse_leaves
   )
   seed = checks.check_seed(seed)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def accumulate(u, g):
     """``(new u, what v accumulates)``: the momentum correction."""
@@ -292,11 +301,11 @@ def dgc(
       name="dgc",
       config=dict(density=density, axis_name=axis_name, momentum=momentum, nesterov=nesterov,
                   clip_norm=clip_norm, warmup_steps=warmup_steps, sample_ratio=sample_ratio,
-                  seed=seed, sparse_leaves=sparse_leaves),
+                  seed=seed, sparse_leaves=sparse_leaves, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=DGCState, step=step, wire=wire_cost,
       init=lambda params, bucket: {"momentum": error_feedback.init(params)},
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
-      seed=seed))
+      seed=seed, bucket_cap_mb=bucket_cap_mb))
 
 
 def _sparse_first(tree, where) -> fusion.Bucket:

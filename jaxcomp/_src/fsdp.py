@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import optax
 
+from jaxcomp._src import fusion
 from jaxcomp._src import hierarchical
 from jaxcomp._src import layout
 from jaxcomp._src import protocol
@@ -168,6 +169,7 @@ def fsdp_transfers(
   # The parameters are gathered whole (dense), whatever the compressor's mean is.
   slow = tuple(t for t in wire.transfers(nested, params, mesh_shape, steps=steps)
                if t.axes != (fast_axis,))
-  return (hierarchical.dense_transfers(params, fast_axis, size) + slow
+  padded = size * fusion.Bucket.of(shard_shapes(params, size)).size
+  return (hierarchical.dense_transfers(padded, fast_axis, size) + slow
           + (wire.transfer(wire.Kind.ALL_REDUCE, mesh_shape[slow_axis] * size, 4,
                            (slow_axis, fast_axis)),))

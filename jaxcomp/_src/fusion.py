@@ -109,6 +109,45 @@ class Bucket:
         self.leaves, parts, self.shapes, self.dtypes)})
 
 
+# torch DDP's first bucket: small, so that the first exchange starts early.
+FIRST_BUCKET_MB = 1.0
+_MIB = 2**20
+
+
+def plan(bucket: Bucket, cap_mb: Optional[float]) -> tuple[Bucket, ...]:
+  """``bucket``'s leaves cut into buckets of about ``cap_mb`` MiB, in the order a backward pass makes them.
+
+  torch DDP's rule (``bucket_cap_mb``): leaves are taken in reverse tree
+  order (the last layers' gradients exist first), each added to the open
+  bucket, which closes once it holds ``cap_mb`` MiB of gradient (the
+  leaves' own dtypes) or more; the first closes at
+  ``min(FIRST_BUCKET_MB, cap_mb)``. A leaf larger than the cap is a bucket
+  of its own. Within a bucket the leaves keep ``bucket``'s order (the
+  method's layout). ``cap_mb=None`` or no leaf: ``(bucket,)``, one bucket.
+
+  Returns:
+    The buckets in exchange order: the first holds the tree's last leaves.
+  """
+  if cap_mb is None or not bucket.leaves:
+    return (bucket,)
+  by_position = sorted(range(len(bucket.leaves)), key=lambda j: bucket.leaves[j], reverse=True)
+  groups, current, filled = [], [], 0
+  limit = min(FIRST_BUCKET_MB, cap_mb) * _MIB
+  for j in by_position:
+    current.append(j)
+    filled += bucket.sizes[j] * jnp.dtype(bucket.dtypes[j]).itemsize
+    if filled >= limit:
+      groups.append(current)
+      current, filled, limit = [], 0, cap_mb * _MIB
+  if current:
+    groups.append(current)
+  return tuple(
+      Bucket(tuple(bucket.leaves[j] for j in sorted(group)),
+             tuple(bucket.shapes[j] for j in sorted(group)),
+             tuple(bucket.dtypes[j] for j in sorted(group)))
+      for group in groups)
+
+
 def concat(parts: list[jax.Array]) -> jax.Array:
   """Flat f32 parts end to end (no copy for one part, ``f32[0]`` for none)."""
   if not parts:

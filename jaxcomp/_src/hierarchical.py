@@ -177,11 +177,13 @@ def hierarchical(
   def wire_cost(shapes, sizes, steps):
     fast = sizes[fast_axis]
     shard = shard_shapes(shapes, fast_size)
-    scatter, gather = dense_transfers(shapes, fast_axis, fast, wire_dtype)
-    if fused.message is not None:
-      gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
-                             fast * fused.message.size(fused.layout(shard)) * 4, (fast_axis,))
-    fast_cost = (scatter, gather)
+    fast_cost = ()
+    for bucket in fused.plan(shard):
+      scatter, gather = dense_transfers(fast * bucket.size, fast_axis, fast, wire_dtype)
+      if fused.message is not None:
+        gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
+                               fast * fused.message.size(bucket) * 4, (fast_axis,))
+      fast_cost += (scatter, gather)
     if not fused.propagates_nonfinite:
       fast_cost += (skip_flag(fast_axis, fast),)
     slow_sizes = {a: sizes[a] for a in inner_spec.axes}
@@ -203,36 +205,49 @@ def hierarchical(
       raise ValueError(
           f"`fast_size` is {fast_size} but the mesh axis {fast_axis!r} has {size} devices")
     like = shard_shapes(updates, fast_size)
-    bucket = fused.layout(like)  # the shard's leaves in the compressor's order
-    if bucket.size == 0:  # nothing to exchange
+    if not fused.layout(like).size:  # nothing to exchange
       return updates, state
     leaves = jax.tree.leaves(updates)
-    blocks = [_blocks(leaves[i], fast_size) for i in bucket.leaves]
-    widths = [b.shape[1] for b in blocks]
-    stacked = jnp.concatenate(blocks, axis=1)
-    shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
-    # The mean, scaled after the sum: on the shard, where the division fuses
-    # into the compressor's first read (scaled before, it is a pass of its own
-    # over the X-times larger buffer). An f32 sum of X gradients overflows
-    # only beyond 3.4e38 / X, and a non-finite mean skips the step.
-    shard = shard / fast_size
-    # The shard goes in and its mean comes out flat, in the compressor's order:
-    # no tree of the shard's leaves to fuse again, no flat mean split into leaves
-    # to be concatenated again.
-    if fused.message is None:
-      mean, new_inner, ok = fused.update(shard, like, state.inner_state)
-      gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
-      parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
-    else:
-      # A low-rank mean is gathered as its factors and every shard's products
-      # formed here, straight into the leaves: no n-sized concatenation of
-      # products and no n-sized all-gather.
-      message, new_inner, ok = fused.update(shard, like, state.inner_state, compact=True)
-      messages = collectives.allgather(message, fast_axis)
-      means = jax.vmap(functools.partial(fused.message.decode, bucket))(messages)
-      parts = [m.reshape(fast_size, -1) for m in means]
-    result = fusion.scatter_leaves(updates, {
-        i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)})
+    gathered_before = None
+
+    def exchange(index, bucket, after, compress):
+      """Bucket ``index``: reduce-scatter on the fast axis, the compressor, all-gather back."""
+      nonlocal gathered_before
+      del index, after  # ordered below, after the bucket before's all-gather
+      blocks = [_blocks(leaves[i], fast_size) for i in bucket.leaves]
+      widths = [b.shape[1] for b in blocks]
+      stacked = jnp.concatenate(blocks, axis=1)
+      if gathered_before is not None:
+        # This bucket's reduce-scatter follows the last one's all-gather: no
+        # combiner merges the buckets.
+        stacked = stacked + collectives.order_token(gathered_before).astype(stacked.dtype)
+      shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
+      # The mean, scaled after the sum: on the shard, where the division fuses
+      # into the compressor's first read (scaled before, it is a pass of its own
+      # over the X-times larger buffer). An f32 sum of X gradients overflows
+      # only beyond 3.4e38 / X, and a non-finite mean skips the step.
+      shard = shard / fast_size
+      # The shard goes in and its mean comes out flat, in the compressor's order:
+      # no tree of the shard's leaves to fuse again, no flat mean split into leaves
+      # to be concatenated again.
+      if fused.message is None:
+        mean, out = compress(shard)
+        gathered = collectives.allgather_chunks(mean, fast_axis, wire_dtype=wire_dtype)
+        parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
+      else:
+        # A low-rank mean is gathered as its factors and every shard's products
+        # formed here, straight into the leaves: no n-sized concatenation of
+        # products and no n-sized all-gather.
+        message, out = compress(shard)
+        gathered = collectives.allgather(message, fast_axis)
+        means = jax.vmap(functools.partial(fused.message.decode, bucket))(gathered)
+        parts = [m.reshape(fast_size, -1) for m in means]
+      gathered_before = gathered
+      return {i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)}, out
+
+    results, new_inner, ok = fused.update(like, state.inner_state, exchange,
+                                          compact=fused.message is not None)
+    result = fusion.scatter_leaves(updates, {i: x for r in results for i, x in r.items()})
     if ok is not None:
       # Each shard's slow group decides on its own shard; a step skipped on one
       # shard is skipped on all (one int32 on the fast axis, not a test of the mean).
@@ -244,14 +259,14 @@ def hierarchical(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def dense_transfers(shapes: optax.Params, fast_axis: str, fast_size: int,
+def dense_transfers(padded: int, fast_axis: str, fast_size: int,
                     wire_dtype: Any = None) -> tuple[wire.Transfer, wire.Transfer]:
-  """The dense reduce-scatter and all-gather over the fast axis of gradients shaped like ``shapes``.
+  """The dense reduce-scatter and all-gather over the fast axis of one bucket's ``padded`` elements.
 
-  ``X S`` padded elements each (``S``: the elements of :func:`shard_shapes`),
-  f32 or ``wire_dtype`` (16 bits: the reduce-scatter is an all-to-all).
+  ``padded = X S`` (``S``: the elements of the bucket's shards,
+  :func:`shard_shapes`), f32 or ``wire_dtype`` (16 bits: the reduce-scatter
+  is an all-to-all).
   """
-  padded = fast_size * fusion.Bucket.of(shard_shapes(shapes, fast_size)).size
   itemsize = 4 if wire_dtype is None else jnp.dtype(wire_dtype).itemsize
   scatter = wire.Kind.REDUCE_SCATTER if itemsize == 4 else wire.Kind.ALL_TO_ALL
   return (wire.transfer(scatter, fast_size, padded * itemsize, (fast_axis,)),

@@ -33,7 +33,7 @@ from fractions import Fraction
 import functools
 import itertools
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import chex
 import jax
@@ -364,7 +364,8 @@ class PowerSGDState(NamedTuple):
       one of the last step, identical on every device), the warm start. A
       column too large for f32 (it reaches ``sqrt(rows)`` times the
       gradient's largest entry) is kept divided by :func:`_headroom` of
-      ``rows``: the warm start reads the columns' directions only.
+      ``rows``: the warm start reads the columns' directions only. With
+      ``bucket_cap_mb``, a tuple of such buffers, one per bucket.
     rng_key: raw ``uint32`` key, identical on every device (never folded with
       the device index); draws a fresh ``Q`` each step when ``warm_start`` is
       off.
@@ -372,7 +373,7 @@ class PowerSGDState(NamedTuple):
 
   count: jax.Array
   residual: optax.Params
-  q: jax.Array
+  q: Union[jax.Array, tuple[jax.Array, ...]]
   rng_key: jax.Array
 
 
@@ -383,6 +384,7 @@ def powersgd(
     *,
     warm_start: bool = True,
     seed: int = 0,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """PowerSGD: rank-``r`` power iteration with error feedback.
 
@@ -414,6 +416,11 @@ def powersgd(
     warm_start: carry ``Q`` across steps (the paper's choice); otherwise
       draw a fresh Gaussian ``Q`` each step from the state's key.
     seed: ``[0, 2**32)``, the key of the first ``Q``.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's
+      matrices are factored on their own, and ``q`` in the state holds one
+      buffer per bucket.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` returns the
@@ -425,6 +432,7 @@ def powersgd(
   ``sum r * rows`` (plus the dense leaves) and ``sum r * cols`` f32: ring
   all-reduces, ``2 (P - 1) / P * 4 (r (rows + cols) + n_dense)`` bytes per
   device; on a torus each is a reduce-scatter, all-reduce and all-gather.
+  With buckets, two all-reduces per bucket, of its own leaves.
 
   Example::
 
@@ -439,6 +447,7 @@ def powersgd(
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
   warm_start = checks.check_bool(warm_start, "warm_start")
   seed = checks.check_seed(seed)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def init(params, bucket):
     _, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)
@@ -492,11 +501,12 @@ def powersgd(
   return protocol.compressor(protocol.Method(
       name="powersgd",
       config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
-                  warm_start=warm_start, seed=seed),
+                  warm_start=warm_start, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=PowerSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True,
       seed=None if warm_start else seed, linear_payload=True,
-      message=_message(rank, min_compression_rate)))
+      message=_message(rank, min_compression_rate), bucket_cap_mb=bucket_cap_mb,
+      bucket_fields=("q",)))
 
 
 # --------------------------------------------------------------------- ACP-SGD
@@ -513,12 +523,15 @@ class ACPSGDState(NamedTuple):
       step, identical on every device (used by the next odd step).
     q: f32 flat buffer of the orthonormal ``Q`` factors of the last odd step
       (or the initial ones), identical on every device.
+
+  With ``bucket_cap_mb``, ``p`` and ``q`` are tuples of such buffers, one per
+  bucket.
   """
 
   count: jax.Array
   residual: optax.Params
-  p: jax.Array
-  q: jax.Array
+  p: Union[jax.Array, tuple[jax.Array, ...]]
+  q: Union[jax.Array, tuple[jax.Array, ...]]
 
 
 def acpsgd(
@@ -527,6 +540,7 @@ def acpsgd(
     min_compression_rate: float = 2.0,
     *,
     seed: int = 0,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """ACP-SGD: alternate low-rank compression, one factor per step.
 
@@ -559,6 +573,11 @@ def acpsgd(
     min_compression_rate: ``>= 1``; a matrix is compressed only when its two
       factors are at least this many times smaller than it.
     seed: ``[0, 2**32)``, the key of the first factors (same on every device).
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's
+      matrices are factored on their own, and ``p``, ``q`` in the state holds one
+      buffer per bucket.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` returns the low-rank
@@ -569,7 +588,7 @@ def acpsgd(
   ``sum r * rows + n_dense`` f32, on odd steps of ``sum r * cols + n_dense``
   (a ring all-reduce, ``2 (P - 1) / P * 4 s`` bytes; on a torus a
   reduce-scatter, all-reduce and all-gather). The wire formula weights each
-  branch 1/2.
+  branch 1/2. With buckets, one all-reduce per bucket, of its own leaves.
 
   Example::
 
@@ -583,6 +602,7 @@ def acpsgd(
   axes = checks.check_axis_name(axis_name)
   min_compression_rate = _check_min_compression_rate(min_compression_rate)
   seed = checks.check_seed(seed)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def init(params, bucket):
     p, q = _init_factors(_view_of(bucket, rank, min_compression_rate), seed)
@@ -646,7 +666,8 @@ def acpsgd(
   return protocol.compressor(protocol.Method(
       name="acpsgd",
       config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
-                  seed=seed),
+                  seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True,
-      message=_message(rank, min_compression_rate)))
+      message=_message(rank, min_compression_rate), bucket_cap_mb=bucket_cap_mb,
+      bucket_fields=("p", "q")))

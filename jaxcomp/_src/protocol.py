@@ -11,7 +11,11 @@ the rest, once, for every method:
 1. checks: the updates' leaves are real floating arrays (``float0`` leaves pass
    through, complex ones are refused), shaped like the state's parameters;
    an empty bucket (no elements, every leaf frozen) is a no-op;
-2. fusion into one flat f32 bucket (:class:`Bucket`);
+2. fusion into one flat f32 bucket (:class:`Bucket`), or, with
+   ``bucket_cap_mb``, into buckets of that many MiB filled in the order a
+   backward pass makes the gradients, each taken through steps 3-5 on its
+   own and exchanged after the one before, so that an exchange can start
+   while the backward pass computes earlier layers (pipelining);
 3. error feedback: ``c = g + e`` (``error_feedback.py``);
 4. the finiteness test, one reduction over the fused bucket: a device that
    holds a NaN or Inf sends NaN in every floating payload (the *poison*), so
@@ -21,8 +25,9 @@ the rest, once, for every method:
 5. the exchange scaled before the sum (every payload divided by ``P``), so
    a mean that fits in f32 never overflows on the way;
 6. the new state (residual, the method's fields, the step ``count``, the
-   PRNG key split every step) written only where the mean is finite: a
-   skipped step leaves every state as it was, on every device alike;
+   PRNG key split every step) written only where the mean is finite (every
+   bucket's, decided once after the last exchange): a skipped step leaves
+   every state as it was, on every device alike;
 7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair).
 
 Every compressor carries a :class:`Spec` (its registry name, its
@@ -76,6 +81,10 @@ class Context:
     finite: bool scalar, this device's corrected gradient is finite
       (``None`` when the method's exchange propagates non-finite values by
       itself).
+    after: f32 scalar 0 read from the previous bucket's exchanged result
+      (``None`` for the first bucket): :meth:`ordered` adds it to every
+      payload the context's collectives send, so this bucket's exchange
+      follows the one before.
   """
 
   bucket: fusion.Bucket
@@ -85,6 +94,7 @@ class Context:
   key: Optional[jax.Array] = None
   carry: Any = None
   finite: Optional[jax.Array] = None
+  after: Optional[jax.Array] = None
 
   @property
   def num_devices(self) -> int:
@@ -97,10 +107,14 @@ class Context:
     Every collective below applies it; a method that packs floats into bytes
     itself (signSGD's scale, QSGD's norms) applies it before packing.
     """
-    payload = payload / jnp.asarray(self.num_devices, payload.dtype)
+    payload = self.ordered(payload / jnp.asarray(self.num_devices, payload.dtype))
     if self.finite is None:
       return payload
     return jnp.where(self.finite, payload, jnp.asarray(jnp.nan, payload.dtype))
+
+  def ordered(self, payload: jax.Array) -> jax.Array:
+    """``payload`` plus :attr:`after`: sent, it follows the bucket before (any dtype)."""
+    return payload if self.after is None else payload + self.after.astype(payload.dtype)
 
   def mean(self, x: jax.Array, *, wire_dtype=None) -> jax.Array:
     """The mean of a dense ``x`` over the axes (ring, or torus for a pair), f32."""
@@ -108,19 +122,19 @@ class Context:
 
   def sparse_allgather(self, values: jax.Array, indices: jax.Array):
     """Every device's ``(values / P, indices)``: ``([P, k], [P, k])``."""
-    return collectives.sparse_allgather(self.send(values), indices, self.axes)
+    return collectives.sparse_allgather(self.send(values), self.ordered(indices), self.axes)
 
   def gtopk(self, values: jax.Array, indices: jax.Array, k: int):
     """The gTop-k butterfly of ``(values / P, indices)``: the global top-k of the mean."""
-    return collectives.gtopk_allreduce(self.send(values), indices, k, self.axes)
+    return collectives.gtopk_allreduce(self.send(values), self.ordered(indices), k, self.axes)
 
   def allgather(self, message: jax.Array) -> jax.Array:
     """Every device's ``message`` (bytes; floats in it went through :meth:`send`)."""
-    return collectives.allgather(message, self.axes)
+    return collectives.allgather(self.ordered(message), self.axes)
 
   def all_to_all(self, message: jax.Array) -> jax.Array:
     """Row ``i`` of ``message`` (``[P, ...]`` bytes) to device ``i``; row ``j`` back from device ``j``."""
-    return collectives.all_to_all(message, self.axes)
+    return collectives.all_to_all(self.ordered(message), self.axes)
 
   def switch(self, index: jax.Array, branches: Sequence[Callable], *operands):
     """``lax.switch`` on an ``index`` derived from ``count`` (the same on every device).
@@ -217,30 +231,39 @@ class Fused:
 
   A wrapper that builds the flat gradient itself (:func:`jaxcomp.hierarchical`
   reduce-scatters it) lays it out in the compressor's bucket order, hands it
-  over flat and takes the mean back flat: the compressor reads its leaves as
-  slices of it, and no tree of leaves is built to be fused again, nor a
-  flat mean split into leaves to be concatenated again. The results are
-  those of the compressor's ``update`` on the same leaves, bit for bit.
+  over flat, bucket by bucket, and takes each bucket's mean back flat: the
+  compressor reads its leaves as slices of it, and no tree of leaves is
+  built to be fused again, nor a flat mean split into leaves to be
+  concatenated again. The results are those of the compressor's ``update``
+  on the same leaves, bit for bit.
 
   Attributes:
     layout: ``layout(tree) -> Bucket``: the compressor's bucket of ``tree``
       (which leaves, in which order); ``tree``'s leaves may be
       ``jax.ShapeDtypeStruct``.
-    update: ``update(flat, like, state, compact=False) -> (mean, new_state, ok)``, inside
-      ``shard_map`` over the compressor's axes. ``like``: the leaves'
-      shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``), shaped like
-      the state's parameters; ``flat``: the gradient, ``f32[bucket.size]``
-      for ``bucket = layout(like)``, in the bucket's order and
-      ``bucket.size >= 1`` (each leaf's part is rounded to the leaf's dtype
-      here, as ``update`` would see it). ``mean``: ``f32[bucket.size]``, the
-      decoded mean in the same order, not rounded to the leaves' dtypes.
+    plan: ``plan(tree) -> tuple[Bucket, ...]``: that bucket cut into the
+      buckets it exchanges, in order (one without ``bucket_cap_mb``).
+    update: ``update(like, state, exchange, compact=False) -> (results,
+      new_state, ok)``, inside ``shard_map`` over the compressor's axes.
+      ``like``: the leaves' shapes and dtypes (arrays or
+      ``jax.ShapeDtypeStruct``), shaped like the state's parameters, with
+      at least one element. For each bucket of ``plan(like)`` in order it
+      calls ``exchange(index, bucket, after, compress) -> (result, out)``,
+      which hands ``compress(flat) -> (mean, out)`` the bucket's gradient,
+      ``f32[bucket.size]`` in the bucket's order (each leaf's part rounded
+      to the leaf's dtype, as ``update`` would see it), after adding
+      ``after`` (an f32 scalar 0, ``None`` for the first bucket) to what it
+      sends first, so that the buckets' exchanges stay in order; ``mean`` is
+      the decoded mean, ``f32[bucket.size]`` in the same order, not rounded
+      to the leaves' dtypes (with ``compact``, for a method with a
+      ``message`` only: the step's :attr:`Output.message` instead), and
+      ``out`` the bucket's :class:`Output`, handed back for the next
+      bucket's order token. ``results``: each bucket's ``result``.
       ``new_state``: the state after the step, not yet kept or dropped.
       ``ok``: bool scalar, the same on every device of the compressor's
-      axes: the mean is finite and ``new_state`` may be kept; ``None``
-      when ``propagates_nonfinite``. Keep ``new_state`` only where the
-      caller's ``ok`` holds, as ``update`` does. With ``compact`` (for a
-      method with a ``message`` only), ``mean`` is the step's
-      :attr:`Output.message` instead.
+      axes: every bucket's mean is finite and ``new_state`` may be kept;
+      ``None`` when ``propagates_nonfinite``. Keep ``new_state`` only where
+      the caller's ``ok`` holds, as ``update`` does.
     propagates_nonfinite: the method's dense exchange carries a non-finite
       value to every device by itself and it has no state to protect, so
       there is no ``ok`` to combine.
@@ -248,7 +271,8 @@ class Fused:
   """
 
   layout: Callable[[chex.ArrayTree], fusion.Bucket]
-  update: Callable[..., tuple[jax.Array, Any, Optional[jax.Array]]]
+  plan: Callable[[chex.ArrayTree], tuple[fusion.Bucket, ...]]
+  update: Callable[..., tuple[list, Any, Optional[jax.Array]]]
   propagates_nonfinite: bool = False
   message: Optional[Message] = None
 
@@ -292,6 +316,14 @@ class Method:
       state.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
+    bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
+      (:func:`jaxcomp.protocol.plan`); ``step`` then runs once per bucket,
+      ``ctx.bucket`` that bucket, ``ctx.key`` folded with its index (with two
+      buckets or more).
+    bucket_fields: the method's own state fields sized by the bucket (made
+      by ``init`` from it: the low-rank factors); with two buckets or more
+      each holds a tuple of one array per bucket, and ``step`` sees its
+      bucket's.
   """
 
   name: str
@@ -308,6 +340,8 @@ class Method:
   propagates_nonfinite: bool = False
   linear_payload: bool = False
   message: Optional[Message] = None
+  bucket_cap_mb: Optional[float] = None
+  bucket_fields: tuple[str, ...] = ()
 
 
 def _has(state_class: type, field: str) -> bool:
@@ -336,6 +370,19 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def _token(out: "Output") -> jax.Array:
+  """The order token (:func:`jaxcomp.collectives.order_token`) of every result of a bucket's exchange.
+
+  Added to the next bucket's payloads (:meth:`Context.ordered`), it makes
+  every collective of that bucket follow every collective of this one: read
+  from the witness and the message, or the mean (each depends on every
+  collective the step ran; one read per leaf, scalars fused into one kernel).
+  """
+  decoded = out.mean if out.message is None else out.message
+  tokens = [collectives.order_token(x) for x in jax.tree.leaves((out.witness, decoded)) if x.size]
+  return sum(tokens[1:], tokens[0])
+
+
 def compressor(method: Method) -> optax.GradientTransformation:
   """The ``optax.GradientTransformation`` of ``method`` on the shared path.
 
@@ -343,6 +390,15 @@ def compressor(method: Method) -> optax.GradientTransformation:
   ``pmap``) over ``method.axes`` and returns the mean gradient, identical on
   every device, in the dtypes of ``updates`` (in a :func:`find_compressors`
   search, ``updates`` unchanged: see :func:`announce`).
+
+  With ``method.bucket_cap_mb`` the layout's leaves are cut into buckets
+  (:func:`jaxcomp.protocol.plan`), each taken through the whole path on its
+  own (error feedback, finiteness test and poison, encode, exchange, decode)
+  in order, each bucket's exchange after the one before; the method's
+  ``bucket_fields`` are then one array per bucket and each bucket draws from
+  the step's key folded with its index. The state is kept or dropped once,
+  after every bucket, on every device alike. A plan of one bucket is the
+  path without buckets: the same state and the same bits.
   """
   fields = getattr(method.state, "_fields", ())
   counted = _has(method.state, "count")
@@ -350,11 +406,18 @@ def compressor(method: Method) -> optax.GradientTransformation:
   if keyed and not _has(method.state, "rng_key"):
     raise ValueError(f"method {method.name!r} has a seed but no `rng_key` field")
 
+  def plan(tree: chex.ArrayTree) -> tuple[fusion.Bucket, ...]:
+    return fusion.plan(method.layout(tree), method.bucket_cap_mb)
+
   def init_fn(params: optax.Params):
     if not fields:
       return method.state()
     bucket = method.layout(params)
     values = dict(method.init(params, bucket)) if method.init else {}
+    buckets = plan(params)
+    if len(buckets) > 1 and method.bucket_fields:
+      per_bucket = [method.init(params, part) for part in buckets]
+      values.update({f: tuple(v[f] for v in per_bucket) for f in method.bucket_fields})
     if counted:
       values["count"] = jnp.zeros([], jnp.int32)
     if _has(method.state, "residual"):
@@ -363,19 +426,16 @@ def compressor(method: Method) -> optax.GradientTransformation:
       values["rng_key"] = checks.raw_key(method.seed)
     return method.state(**values)
 
-  def step(updates: optax.Updates, state, bucket: fusion.Bucket):
-    """``(out, new_state, ok)`` of a bucket of at least one element (see :class:`Fused`).
+  def bucket_step(updates: optax.Updates, state, bucket: fusion.Bucket, key, after):
+    """``(out, written, ok)`` of one bucket of at least one element.
 
-    ``out`` is the method's :class:`Output`.
+    ``state``: the state as the buckets before left it, with this bucket's
+    ``bucket_fields``. ``out``: the method's :class:`Output`; ``written``:
+    the state fields this bucket wrote (its leaves of the per-leaf ones);
+    ``ok``: the mean is finite (``None`` when ``propagates_nonfinite``).
     """
     ctx = Context(bucket, method.axes, checks.axis_sizes(method.axes),
-                  state.count if counted else None)
-    new: dict[str, Any] = {}
-    if keyed:
-      next_key, draw = jax.random.split(jax.random.wrap_key_data(state.rng_key))
-      ctx = dataclasses.replace(ctx, key=draw)
-      new["rng_key"] = jax.random.key_data(next_key)
-
+                  state.count if counted else None, key=key, after=after)
     if method.prepare is not None:
       prepared, carry = method.prepare(ctx, bucket.flatten(updates), state)
       ctx = dataclasses.replace(ctx, carry=carry)
@@ -392,9 +452,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       ctx = dataclasses.replace(ctx, finite=all_finite(corrected))
 
     out = method.step(ctx, corrected, state)
-    new.update(out.state)
-    if counted:
-      new["count"] = optax.safe_increment(state.count)
+    written = dict(out.state)
     if method.error_feedback:
       kept = out.residual
       if isinstance(kept, Zeroed):
@@ -404,39 +462,90 @@ def compressor(method: Method) -> optax.GradientTransformation:
         leaves = (error_feedback.compensated_leaves(bucket, updates, state.residual)
                   if method.prepare is None else bucket.split(corrected))
         kept = error_feedback.zeroed(bucket, leaves, kept.indices)
-      new["residual"] = error_feedback.absorb(bucket, kept, state.residual)
-    new_state = state._replace(**new)
+      written["residual"] = error_feedback.absorb(bucket, kept, state.residual)
     if method.propagates_nonfinite:
-      return out, new_state, None
+      return out, written, None
     # The mean is identical on every device, so is this choice.
-    return out, new_state, _all_finite(out.mean if out.witness is None else out.witness)
+    return out, written, _all_finite(out.mean if out.witness is None else out.witness)
 
-  def checked_bucket(updates: chex.ArrayTree, state) -> fusion.Bucket:
+  def run(state, buckets: Sequence[fusion.Bucket], exchange: Callable):
+    """``(results, new_state, ok)``: every bucket's step, in order.
+
+    ``exchange(index, bucket, after, compress) -> (result, out)``: hands
+    bucket ``index`` to ``compress(updates) -> out`` (its :class:`Output`),
+    ``updates`` a tree whose bucket leaves hold the bucket's gradient, after
+    sending what it sends first with ``after`` added (the order token of the
+    bucket before, ``None`` for the first); ``result`` is collected.
+    ``new_state`` is not yet kept or dropped; ``ok`` is every bucket's.
+    """
+    new: dict[str, Any] = {}
+    key = None
+    if keyed:
+      next_key, key = jax.random.split(jax.random.wrap_key_data(state.rng_key))
+      new["rng_key"] = jax.random.key_data(next_key)
+    # One bucket is the unbucketed path: the same state layout and bits.
+    split = len(buckets) > 1
+    own = {f: [] for f in (method.bucket_fields if split else ())}
+    threaded, results, oks, after = state, [], [], None
+    for index, bucket in enumerate(buckets):
+      view = threaded._replace(**{f: getattr(state, f)[index] for f in own})
+      draw = jax.random.fold_in(key, index) if (split and key is not None) else key
+      written, ok = {}, None
+
+      def compress(updates, view=view, draw=draw, after=after):
+        nonlocal written, ok
+        out, written, ok = bucket_step(updates, view, bucket, draw, after)
+        return out
+
+      result, out = exchange(index, bucket, after, compress)
+      results.append(result)
+      oks.append(ok)
+      for f in own:
+        own[f].append(written.pop(f))
+      threaded = threaded._replace(**written)
+      if index + 1 < len(buckets):
+        after = _token(out)
+    new.update({f: tuple(v) for f, v in own.items()})
+    if counted:
+      new["count"] = optax.safe_increment(state.count)
+    new_state = threaded._replace(**new)
+    if method.propagates_nonfinite:
+      return results, new_state, None
+    return results, new_state, jnp.all(jnp.stack(oks)) if len(oks) > 1 else oks[0]
+
+  def checked_buckets(updates: chex.ArrayTree, state) -> tuple[fusion.Bucket, ...]:
     if method.error_feedback:
       error_feedback.check_matches(updates, state.residual)
     checks.axis_sizes(method.axes)  # an unknown axis is named even when nothing is sent
-    return method.layout(updates)
+    return plan(updates)
 
-  def fused_update(flat: jax.Array, like: chex.ArrayTree, state, compact: bool = False):
+  def fused_update(like: chex.ArrayTree, state, exchange: Callable, compact: bool = False):
     if compact and method.message is None:
       raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
-    bucket = checked_bucket(like, state)
-    # Through the leaves (slices of ``flat``): the same program as ``update``'s,
-    # so the same bits, and XLA fuses each residual's sum into its leaf's
-    # first read, where a sum with the concatenated residual is a pass of its own.
-    out, new_state, ok = step(bucket.unflatten(flat, like=like), state, bucket)
-    if compact:
-      return out.message, new_state, ok
-    mean = out.mean
-    if isinstance(mean, (list, tuple)):
-      mean = fusion.concat([m.reshape(-1) for m in mean])
-    return mean, new_state, ok
+    buckets = checked_buckets(like, state)
+
+    def each(index, bucket, after, compress):
+      def flat_in(flat):
+        # Through the leaves (slices of ``flat``): the same program as
+        # ``update``'s, so the same bits, and XLA fuses each residual's sum into
+        # its leaf's first read, where a sum with the concatenated residual is
+        # a pass of its own.
+        out = compress(bucket.unflatten(flat, like=like))
+        if compact:
+          return out.message, out
+        mean = out.mean
+        if isinstance(mean, (list, tuple)):
+          mean = fusion.concat([m.reshape(-1) for m in mean])
+        return mean, out
+      return exchange(index, bucket, after, flat_in)
+
+    return run(state, buckets, each)
 
   def wire(shapes, axis_sizes, steps=None):
-    return method.wire(method.layout(shapes), axis_sizes, steps)
+    return sum((method.wire(bucket, axis_sizes, steps) for bucket in plan(shapes)), ())
 
   spec_ = Spec(method.name, dict(method.config), method.axes, wire,
-               fused=Fused(method.layout, fused_update, method.propagates_nonfinite,
+               fused=Fused(method.layout, plan, fused_update, method.propagates_nonfinite,
                            method.message))
 
   def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
@@ -444,13 +553,19 @@ def compressor(method: Method) -> optax.GradientTransformation:
     if announce(spec_, updates):
       return updates, state
     fusion.check_leaves(updates)
-    bucket = checked_bucket(updates, state)
-    if bucket.size == 0:  # nothing to exchange: a no-op, still a step
+    buckets = checked_buckets(updates, state)
+    if not buckets[0].size:  # nothing to exchange: a no-op, still a step
       return updates, (state._replace(count=optax.safe_increment(state.count))
                        if counted else state)
-    out, new_state, ok = step(updates, state, bucket)
-    return (bucket.unflatten(out.mean, like=updates),
-            new_state if ok is None else keep_if(ok, new_state, state))
+
+    def exchange(index, bucket, after, compress):
+      out = compress(updates)
+      return (bucket, out.mean), out
+
+    means, new_state, ok = run(state, buckets, exchange)
+    for bucket, mean in means:
+      updates = bucket.unflatten(mean, like=updates)
+    return updates, new_state if ok is None else keep_if(ok, new_state, state)
 
   attach_spec(update_fn, spec_)
   return optax.GradientTransformation(init_fn, update_fn)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,7 @@ def qsgd(
     bucket_size: int = 512,
     error_feedback: bool = False,
     seed: int = 0,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """QSGD: unbiased stochastic quantization to ``s`` levels, reduced in two quantized hops.
 
@@ -122,6 +123,11 @@ def qsgd(
       at most a device's chunk, ``ceil(n / P)``).
     error_feedback: keep ``c - Q(c)`` in a per-device residual.
     seed: PRNG seed of the rounding, an int in ``[0, 2**32)``.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each gradient
+      bucket is padded to ``P`` chunks and cut into norm blocks of its own
+      (a norm block never spans two gradient buckets).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`QSGDState`, whose
@@ -131,7 +137,8 @@ def qsgd(
   Wire: a chunk of ``C = ceil(n / (P B)) B`` entries is ``C + 4 C / B``
   bytes (int8 levels, f32 norms); the all-to-all and the all-gather each
   send ``(P - 1)`` chunks: ``2 (P - 1) (C + 4 C / B)`` bytes per device, about
-  ``2 (P - 1) / P * n``: a quarter of the dense f32 all-reduce's bytes.
+  ``2 (P - 1) / P * n``: a quarter of the dense f32 all-reduce's bytes. With
+  gradient buckets, the formula of each bucket's ``n``.
 
   Example::
 
@@ -149,6 +156,7 @@ def qsgd(
   bucket_size = checks.check_number(bucket_size, "bucket_size", integer=True, low=1)
   error_feedback = checks.check_bool(error_feedback, "error_feedback")
   seed = checks.check_seed(seed)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def step(ctx, corrected, state):
     del state
@@ -178,6 +186,6 @@ def qsgd(
   return protocol.compressor(protocol.Method(
       name="qsgd",
       config=dict(levels=levels, axis_name=axis_name, bucket_size=bucket_size,
-                  error_feedback=error_feedback, seed=seed),
+                  error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, seed=seed))
+      error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb))

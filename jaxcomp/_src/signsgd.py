@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ def signsgd(
     *,
     error_feedback: bool = True,
     majority_vote: bool = False,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """Scaled 1-bit signs, bit-packed and all-gathered; optional majority vote.
 
@@ -86,6 +87,10 @@ def signsgd(
       then runs over the whole mesh).
     error_feedback: keep a per-device residual (EF-signSGD).
     majority_vote: return the scaled sign of the sum of the signs.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket has
+      its own scale ``s_i`` (and its own vote).
 
   Returns:
     An ``optax.GradientTransformation``; its ``update`` returns the decoded
@@ -94,7 +99,8 @@ def signsgd(
 
   Wire: one all-gather of ``ceil(n / 8) + 4`` bytes from every device (the
   signs of ``n`` gradient elements and the f32 scale): ``(P - 1) * (ceil(n /
-  8) + 4)`` bytes per device.
+  8) + 4)`` bytes per device; with buckets, the formula of each bucket's ``n``
+  (a scale per bucket).
 
   Example::
 
@@ -111,6 +117,7 @@ def signsgd(
   axes = checks.check_axis_name(axis_name)
   error_feedback = checks.check_bool(error_feedback, "error_feedback")
   majority_vote = checks.check_bool(majority_vote, "majority_vote")
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def step(ctx, corrected, state):
     del state
@@ -135,6 +142,6 @@ def signsgd(
   return protocol.compressor(protocol.Method(
       name="signsgd",
       config=dict(axis_name=axis_name, error_feedback=error_feedback,
-                  majority_vote=majority_vote),
+                  majority_vote=majority_vote, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=SignSGDState, step=step, wire=wire_cost,
-      error_feedback=error_feedback))
+      error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb))

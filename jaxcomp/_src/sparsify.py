@@ -9,7 +9,7 @@ What is not sent stays in the residual (error feedback, on the shared path).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,11 @@ class RandomKState(NamedTuple):
 
 
 def topk(
-    density: float, axis_name: checks.AxisName, *, error_feedback: bool = True
+    density: float,
+    axis_name: checks.AxisName,
+    *,
+    error_feedback: bool = True,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """Top-k sparsification with a sparse all-gather.
 
@@ -87,6 +91,10 @@ def topk(
     axis_name: the data-parallel mesh axis, or a pair of axes (one all-gather
       over both).
     error_feedback: keep what was not sent in a per-device residual.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); ``k`` is then
+      ``max(1, ceil(density * n_b))`` of each bucket's ``n_b`` elements.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`TopKState`, whose
@@ -94,7 +102,7 @@ def topk(
     dtype of ``updates``.
 
   Wire: two all-gathers (f32 values and int32 indices) of ``k`` each,
-  ``(P - 1) * 8 k`` bytes per device per step.
+  ``(P - 1) * 8 k`` bytes per device per step (per bucket, with its ``k``).
 
   Example::
 
@@ -108,6 +116,7 @@ def topk(
   """
   density = checks.check_density(density)
   axes = checks.check_axis_name(axis_name)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
   use_residual = checks.check_bool(error_feedback, "error_feedback")
 
   def step(ctx, corrected, state):
@@ -125,15 +134,17 @@ def topk(
 
   return protocol.compressor(protocol.Method(
       name="topk", config=dict(density=density, axis_name=axis_name,
-                               error_feedback=use_residual),
+                               error_feedback=use_residual, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=TopKState, step=step, wire=wire_cost,
-      error_feedback=use_residual))
+      error_feedback=use_residual, bucket_cap_mb=bucket_cap_mb))
 
 
 # ------------------------------------------------------------------ gtopk
 
 
-def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransformation:
+def gtopk(
+    density: float, axis_name: checks.AxisName, *, bucket_cap_mb: Optional[float] = None
+) -> optax.GradientTransformation:
   """Global top-k (gTop-k) sparsification with the butterfly all-reduce.
 
   Each device corrects its fused gradient with its residual, ``c = g + e``,
@@ -153,6 +164,10 @@ def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransform
     density: share of the gradient kept globally, in (0, 1].
     axis_name: the data-parallel mesh axis, or a pair of axes (the butterfly
       runs over both, in linear device order).
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket keeps
+      its own global ``k = max(1, ceil(density * n_b))``.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`GTopKState`.
@@ -160,7 +175,7 @@ def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransform
   Wire: ``log2(P)`` collective-permutes of ``k`` f32 values and ``k`` int32
   indices, ``log2(P) * 8 k`` bytes per device for power-of-two P; other P
   add two rounds (fold and send-back) for the devices past the largest power
-  of two.
+  of two. With buckets, the formula of each bucket's ``k``.
 
   Example::
 
@@ -173,6 +188,7 @@ def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransform
   """
   density = checks.check_density(density)
   axes = checks.check_axis_name(axis_name)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def step(ctx, corrected, state):
     del state
@@ -193,8 +209,10 @@ def gtopk(density: float, axis_name: checks.AxisName) -> optax.GradientTransform
     return wire.gtopk(checks.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
-      name="gtopk", config=dict(density=density, axis_name=axis_name),
-      axes=axes, state=GTopKState, step=step, wire=wire_cost, error_feedback=True))
+      name="gtopk", config=dict(density=density, axis_name=axis_name,
+                                bucket_cap_mb=bucket_cap_mb),
+      axes=axes, state=GTopKState, step=step, wire=wire_cost, error_feedback=True,
+      bucket_cap_mb=bucket_cap_mb))
 
 
 # ------------------------------------------------------------------ randomk
@@ -245,7 +263,11 @@ def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
 
 
 def randomk(
-    density: float, axis_name: checks.AxisName, seed: int = 0
+    density: float,
+    axis_name: checks.AxisName,
+    seed: int = 0,
+    *,
+    bucket_cap_mb: Optional[float] = None,
 ) -> optax.GradientTransformation:
   """Random-k sparsification: shared random coordinates, one dense all-reduce.
 
@@ -265,13 +287,19 @@ def randomk(
     axis_name: the data-parallel mesh axis, or a pair of axes (torus).
     seed: the PRNG seed of the coordinates, an int in ``[0, 2**32)``; it must
       be the same on every device (it is, when ``init`` runs once).
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
+      and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket draws
+      its own ``k = max(1, ceil(density * n_b))`` coordinates, from the step's
+      key folded with the bucket's index.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`RandomKState`.
 
   Wire: one ring all-reduce of ``k`` f32 values, ``2 (P - 1) / P * 4 k``
   bytes per device (the torus formula of :func:`jaxcomp.allreduce` with
-  ``k`` for ``n`` on a pair of axes); no indices travel.
+  ``k`` for ``n`` on a pair of axes); no indices travel. With buckets, the
+  formula of each bucket's ``k``.
 
   Example::
 
@@ -284,6 +312,7 @@ def randomk(
   density = checks.check_density(density)
   axes = checks.check_axis_name(axis_name)
   seed = checks.check_seed(seed)
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
   def step(ctx, corrected, state):
     del state
@@ -301,6 +330,7 @@ def randomk(
     return wire.mean(checks.num_selected(density, bucket.size), sizes)
 
   return protocol.compressor(protocol.Method(
-      name="randomk", config=dict(density=density, axis_name=axis_name, seed=seed),
+      name="randomk", config=dict(density=density, axis_name=axis_name, seed=seed,
+                                  bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=RandomKState, step=step, wire=wire_cost, error_feedback=True,
-      seed=seed))
+      seed=seed, bucket_cap_mb=bucket_cap_mb))

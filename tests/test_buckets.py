@@ -1,0 +1,478 @@
+"""Buckets (``bucket_cap_mb``): torch DDP's rule, each bucket its own exchange, in order.
+
+On 8 fake CPU devices: the plan's rule; each bucket's mean, residual and state
+those of the method run on that bucket's leaves alone, and the compiled
+program's collectives those of the per-bucket programs together (none merged);
+the bytes the formula per bucket; in the program of ``make_step`` (and of the
+FSDP step, and through the hierarchy), bucket ``b``'s collectives depend on
+the gradients of buckets ``0..b`` only (the first layer's gradient, in the last
+bucket, is an ancestor of none of the earlier exchanges) and on the exchange of
+bucket ``b - 1``; a step with a non-finite value in one bucket skips every
+bucket's state; a plan of one bucket gives the bits of no buckets. The
+contract suite (``test_contract.py``) runs bucketed variants through every
+other check.
+"""
+
+import collections
+import functools
+
+import chex
+import jax
+from jax import lax
+from jax.extend import core as jex_core
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxcomp
+from jaxcomp import protocol
+from jaxcomp import registry
+from jaxcomp import training
+from jaxcomp import wire
+from jaxcomp._src import hierarchical as hierarchical_lib
+
+import harness
+
+# Four layers; the keys sort in layer order, so the tree's leaves run from the
+# first layer to the last.
+WIDTHS = (16, 32, 32, 24, 8)
+PARAMS = {f"l{i}_{part}": jnp.zeros(shape) for i, (n_in, n_out) in enumerate(zip(WIDTHS, WIDTHS[1:]))
+          for part, shape in (("b", (n_out,)), ("w", (n_in, n_out)))}
+KEYS = sorted(PARAMS)
+# 600 f32 per bucket: three buckets, the first layer's leaves in the last (see
+# test_the_plan_is_ddp_s_rule_on_the_model).
+CAP_MB = 2400 / 2**20
+SMALL_MODEL = {"density": 0.1, "rank": 2, "levels": 4, "bucket_size": 32}
+EXTRA = {"dgc": {"clip_norm": 1.0, "warmup_steps": 2}}
+# What each bucket computes does not depend on a key: its values are the method's
+# on its leaves alone (DGC with its exact selection, PowerSGD with a warm start).
+DETERMINISTIC = {"allreduce", "cast", "topk", "gtopk", "signsgd", "powersgd", "acpsgd", "dgc"}
+EXACT_SELECTION = {"dgc": {"sample_ratio": 1.0}}
+COLLECTIVES = {"psum", "psum_invariant", "all_gather", "all_gather_invariant", "ppermute",
+               "all_to_all", "reduce_scatter", "psum_scatter", "pmin", "pmax"}
+
+
+def _config(name, **extra):
+  defaults = registry.get(name).defaults
+  small = {k: v for k, v in SMALL_MODEL.items() if k in defaults}
+  return {**small, **EXTRA.get(name, {}), **extra}
+
+
+def _build(name, axis="data", **extra):
+  return registry.build(name, axis, **_config(name, **extra))
+
+
+def _plan(tx, params=PARAMS):
+  return protocol.spec(tx).fused.plan(params)
+
+
+def _keys(bucket):
+  return [KEYS[i] for i in bucket.leaves]
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def test_the_plan_is_ddp_s_rule_on_the_model():
+  buckets = _plan(jaxcomp.allreduce("data", bucket_cap_mb=CAP_MB))
+  # In reverse: l3_w, l3_b, l2_w close the first at 968 floats; l2_b, l1_w the
+  # second; l1_b, l0_w, l0_b stay below 600.
+  assert [_keys(b) for b in buckets] == [["l2_w", "l3_b", "l3_w"], ["l1_w", "l2_b"],
+                                         ["l0_b", "l0_w", "l1_b"]]
+  assert _plan(jaxcomp.allreduce("data")) == (protocol.Bucket.of(PARAMS),)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+       cap_kib=st.integers(1, 8))
+def test_the_plan_partitions_in_reverse_order_and_closes_at_the_cap(sizes, cap_kib):
+  """Every leaf once; the buckets run from the last leaves to the first; each
+  closes with the leaf that brings it to its limit (the first's is 1 MiB, here
+  scaled down with the cap), and a leaf past the cap is a bucket of its own."""
+  tree = [jax.ShapeDtypeStruct((n,), jnp.float32 if n % 3 else jnp.bfloat16) for n in sizes]
+  bucket = protocol.Bucket.of(tree)
+  cap_mb = cap_kib / 1024
+  buckets = protocol.plan(bucket, cap_mb)
+  order = [i for b in buckets for i in sorted(b.leaves, reverse=True)]
+  assert order == list(range(len(sizes)))[::-1]
+  for index, b in enumerate(buckets):
+    assert list(b.leaves) == sorted(b.leaves)  # the layout's order within a bucket
+    nbytes = [n * (4 if n % 3 else 2) for n in (sizes[i] for i in b.leaves)]
+    limit = min(1.0, cap_mb) * 2**20 if index == 0 else cap_mb * 2**20
+    if index + 1 < len(buckets):
+      assert sum(nbytes) >= limit > sum(nbytes) - nbytes[0]  # closed by its first-layer leaf
+    else:
+      assert sum(nbytes) - nbytes[0] < limit
+
+
+def test_the_first_bucket_closes_at_one_mib():
+  tree = [jax.ShapeDtypeStruct((2**18,), jnp.float32)] * 4  # 1 MiB each
+  buckets = protocol.plan(protocol.Bucket.of(tree), 25.0)
+  assert [b.leaves for b in buckets] == [(3,), (0, 1, 2)]
+
+
+def test_a_method_s_own_order_is_kept_within_a_bucket():
+  tx = jaxcomp.powersgd(2, "data", bucket_cap_mb=CAP_MB)
+  layout = protocol.spec(tx).fused.layout(PARAMS)
+  for b in _plan(tx):
+    positions = [layout.leaves.index(i) for i in b.leaves]
+    assert positions == sorted(positions)
+  # the matrices first, then the biases: the layout's order, not the tree's
+  assert _keys(_plan(tx)[0]) == ["l3_w", "l2_w", "l3_b"]
+
+
+@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "25", True])
+def test_a_bad_cap_is_refused_by_name(name, bad):
+  with pytest.raises((ValueError, TypeError), match="bucket_cap_mb"):
+    _build(name, bucket_cap_mb=bad)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_the_cap_is_in_the_configuration(name):
+  spec = protocol.spec(_build(name, bucket_cap_mb=25))
+  assert spec.config["bucket_cap_mb"] == 25.0
+
+
+# ------------------------------------------------- each bucket on its own
+
+
+def _sub(tree, keys):
+  return {k: tree[k] for k in keys}
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_runs(name):
+  """Two steps of the bucketed method on the model and of the plain method on each
+  bucket's leaves alone: outputs, states and compiled programs."""
+  mesh = training.make_mesh(8)
+  extra = EXACT_SELECTION.get(name, {})
+  tx = _build(name, bucket_cap_mb=CAP_MB, **extra)
+  grads = [harness.per_device_normal(PARAMS, seed) for seed in (1, 2)]
+
+  def two_steps(tx, params, keys):
+    update = training.make_update(tx, mesh, "data")
+    state = training.init_state(tx, params, mesh, "data")
+    sharded = [training.shard(_sub(g, keys), mesh, "data") for g in grads]
+    compiled = update.lower(sharded[0], state).compile()
+    outs = []
+    for g in sharded:
+      out, state = jax.block_until_ready(update(g, state))
+      outs.append(out)
+    return dict(outs=outs, state=state, compiled=compiled)
+
+  whole = two_steps(tx, PARAMS, KEYS)
+  parts = [two_steps(_build(name, **extra), _sub(PARAMS, _keys(b)), _keys(b))
+           for b in _plan(tx)]
+  return tx, whole, parts
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_the_program_holds_each_bucket_s_collectives_apart(name):
+  """The bucketed program's collectives are the per-bucket programs' together, kind
+  and buffer alike: no combiner merged two buckets (on CPU every independent
+  all-reduce of a program would be merged into one)."""
+  tx, whole, parts = _bucket_runs(name)
+  assert len(parts) == 3
+
+  def ops(compiled):
+    return sorted((op.kind, op.buffer_bytes, op.branch) for op in
+                  wire.collective_bytes(compiled).ops)
+
+  assert ops(whole["compiled"]) == sorted(sum((ops(p["compiled"]) for p in parts), []))
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_bytes_are_the_formula_per_bucket(name):
+  tx, whole, parts = _bucket_runs(name)
+  read = wire.collective_bytes(whole["compiled"])
+  formula = wire.expected_bytes(tx, PARAMS, 8)
+  per_bucket = [wire.expected_bytes(_build(name), _sub(PARAMS, _keys(b)), 8)
+                for b in _plan(tx)]
+  assert formula.by_branch == read.by_branch
+  for kind in set(formula.by_kind) | set(read.by_kind):
+    assert formula.by_kind.get(kind, 0) == sum(p.by_kind.get(kind, 0) for p in per_bucket)
+  assert formula.total == sum(p.total for p in per_bucket)
+  if wire.expected_bytes(tx, PARAMS, 8, steps=1) == formula:
+    assert read.by_kind == formula.by_kind
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC))
+def test_each_bucket_is_the_method_on_its_leaves_alone(name):
+  """Means, residuals and the method's own state, over two steps (ACP-SGD's two
+  kinds): k, scales, clipping and factors are each bucket's own. Within float
+  rounding: the programs differ, so XLA may fuse a reduction differently."""
+  tx, whole, parts = _bucket_runs(name)
+  close = functools.partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6)
+  for index, (bucket, part) in enumerate(zip(_plan(tx), parts)):
+    keys = _keys(bucket)
+    for got, want in zip(whole["outs"], part["outs"]):
+      close(_sub(got, keys), want)
+    state, want = whole["state"], part["state"]
+    for field in state._fields:
+      value = getattr(state, field)
+      if field in ("residual", "momentum") and value != ():
+        close(_sub(value, keys), getattr(want, field))
+      elif field in ("p", "q"):
+        close(value[index], getattr(want, field))
+      else:
+        chex.assert_trees_all_equal(value, getattr(want, field))
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_one_bucket_is_the_path_without_buckets_bit_for_bit(name):
+  """A cap the model fits in: the same state layout and the same bits as none."""
+  mesh = training.make_mesh(8)
+  results = []
+  for cap in (None, 1.0):
+    tx = _build(name, bucket_cap_mb=cap)
+    assert len(_plan(tx)) == 1
+    update = training.make_update(tx, mesh, "data")
+    state = training.init_state(tx, PARAMS, mesh, "data")
+    outs = []
+    for seed in (1, 2):
+      out, state = jax.block_until_ready(
+          update(training.shard(harness.per_device_normal(PARAMS, seed), mesh, "data"), state))
+      outs.append(out)
+    results.append((outs, state))
+  assert jax.tree.structure(results[0]) == jax.tree.structure(results[1])
+  for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+    harness.assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_low_rank_factors_are_one_buffer_per_bucket(name):
+  tx = _build(name, bucket_cap_mb=CAP_MB)
+  state = tx.init(PARAMS)
+  for field in ("p", "q"):
+    if field in state._fields:
+      factors = getattr(state, field)
+      assert isinstance(factors, tuple) and len(factors) == 3
+      for factor, bucket in zip(factors, _plan(tx)):
+        assert factor.shape == getattr(_build(name).init(_sub(PARAMS, _keys(bucket))),
+                                       field).shape
+
+
+# --------------------------------------------- a non-finite value in one bucket
+
+
+@pytest.mark.parametrize("name", [n for n in registry.names() if n not in ("allreduce", "cast")])
+def test_a_nan_in_one_bucket_skips_every_bucket_s_state(name):
+  mesh = training.make_mesh(8)
+  tx = _build(name, bucket_cap_mb=CAP_MB)
+  update = training.make_update(tx, mesh, "data")
+  state = training.init_state(tx, PARAMS, mesh, "data")
+  _, state = update(training.shard(harness.per_device_normal(PARAMS, 1), mesh, "data"), state)
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
+  bad = harness.per_device_normal(PARAMS, 2)
+  bad["l3_w"] = bad["l3_w"].at[5, 0, 0].set(jnp.nan)  # the first bucket, device 5
+  out, state = jax.block_until_ready(update(training.shard(bad, mesh, "data"), state))
+  for got, was in zip(jax.tree.leaves(state), before):
+    harness.assert_bitwise_equal(got, was)
+  first = _keys(_plan(tx)[0])
+  assert not all(np.isfinite(np.asarray(out[key])).all() for key in first)
+
+
+def test_a_dense_nan_stays_in_its_bucket():
+  """The order token reads a non-finite value as 0: the later buckets' means stay
+  those of the finite gradients."""
+  mesh = training.make_mesh(8)
+  update = training.make_update(jaxcomp.allreduce("data", bucket_cap_mb=CAP_MB), mesh, "data")
+  grads = harness.per_device_normal(PARAMS, 1)
+  clean, _ = update(training.shard(grads, mesh, "data"), optax.EmptyState())
+  grads["l3_w"] = grads["l3_w"].at[5, 0, 0].set(jnp.nan)
+  out, _ = update(training.shard(grads, mesh, "data"), optax.EmptyState())
+  assert np.isnan(np.asarray(out["l3_w"][:, 0, 0])).all()
+  for key in ("l0_w", "l1_w", "l0_b"):
+    harness.assert_bitwise_equal(out[key], clean[key])
+
+
+# ------------------------------------ the dependencies in the step's program
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def tag(x, bits):
+  return x
+
+
+def _fwd(x, bits):
+  return x, None
+
+
+def _bwd(bits, _, g):
+  # A primitive nothing else in the step uses, on each parameter's gradient:
+  # its mantissa width names the leaf in the jaxpr.
+  return (lax.reduce_precision(g, exponent_bits=8, mantissa_bits=bits),)
+
+
+tag.defvjp(_fwd, _bwd)
+FIRST_BITS = 4  # leaf i's gradient is reduced to FIRST_BITS + i mantissa bits
+
+
+def loss_fn(params, batch):
+  """An MLP whose every parameter's gradient passes one tagged op."""
+  x, y = batch
+  params = {k: tag(v, FIRST_BITS + KEYS.index(k)) for k, v in params.items()}
+  for i in range(len(WIDTHS) - 1):
+    x = x @ params[f"l{i}_w"] + params[f"l{i}_b"]
+    if i + 2 < len(WIDTHS):
+      x = jnp.tanh(x)
+  return jnp.mean((x - y) ** 2)
+
+
+def _sub_jaxprs(eqn):
+  found = []
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, jex_core.ClosedJaxpr):
+        found.append(item.jaxpr)
+      elif isinstance(item, jex_core.Jaxpr):
+        found.append(item)
+  return found
+
+
+def collective_ancestors(closed):
+  """Every collective of a (closed) jaxpr, nested ones included, with its ancestors:
+  ``[(id, primitive, leaves, collectives)]``, ``leaves`` the positions (in
+  :data:`KEYS`) of the tagged gradients it depends on, ``collectives`` the ids of
+  the collectives before it on which it depends. A higher-order primitive whose
+  inputs cannot be matched to its body's (a loop) is taken as joining every input
+  to every output: an over-approximation, which can only add ancestors."""
+  found = []
+
+  def walk(jaxpr, in_sets):
+    env = {}
+
+    def read(v):
+      return env.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
+
+    for v, s in zip(jaxpr.invars, in_sets):
+      env[v] = s
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      joined = frozenset().union(*ins)
+      name = eqn.primitive.name
+      subs = _sub_jaxprs(eqn)
+      if name == "reduce_precision" and eqn.params["mantissa_bits"] >= FIRST_BITS:
+        out = joined | {eqn.params["mantissa_bits"] - FIRST_BITS}
+        outs = [out] * len(eqn.outvars)
+      elif name in COLLECTIVES:
+        ident = -(len(found) + 1)
+        found.append((ident, name, joined))
+        outs = [joined | {ident}] * len(eqn.outvars)
+      elif name == "cond":
+        branch_outs = [walk(b, ins[1:]) for b in subs]
+        outs = [frozenset().union(ins[0], *column) for column in zip(*branch_outs)]
+      elif len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+        outs = walk(subs[0], ins)
+      elif subs:
+        for sub in subs:
+          walk(sub, [joined] * len(sub.invars))
+        outs = [joined] * len(eqn.outvars)
+      else:
+        outs = [joined] * len(eqn.outvars)
+      for v, s in zip(eqn.outvars, outs):
+        env[v] = s
+    return [read(v) for v in jaxpr.outvars]
+
+  walk(closed.jaxpr, [frozenset()] * len(closed.jaxpr.invars))
+  return [(ident, name, frozenset(a for a in s if a >= 0), frozenset(a for a in s if a < 0))
+          for ident, name, s in found]
+
+
+def _batch(devices):
+  rng = np.random.default_rng(0)
+  return (jnp.asarray(rng.normal(size=(4 * devices, WIDTHS[0])), jnp.float32),
+          jnp.asarray(rng.normal(size=(4 * devices, WIDTHS[-1])), jnp.float32))
+
+
+def _assert_pipelined(closed, buckets, ordered=all):
+  """Bucket b's exchange: the collectives whose latest tagged gradient is in bucket
+  b. Each bucket has one; none reads the first layer's gradient (in the last bucket)
+  but the last; each collective of bucket b follows one of bucket b - 1 (with
+  ``ordered=any``, one of them does: the FSDP step's per-leaf reduce-scatters are
+  autodiff's, not the compressor's)."""
+  bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.leaves}
+  groups = collections.defaultdict(list)
+  for ident, name, leaves, before in collective_ancestors(closed):
+    if leaves:
+      groups[max(bucket_of[i] for i in leaves)].append((ident, name, leaves, before))
+  assert sorted(groups) == list(range(len(buckets))), sorted(groups)
+  first_layer = {KEYS.index("l0_w"), KEYS.index("l0_b")}
+  last = len(buckets) - 1
+  assert all(bucket_of[i] == last for i in first_layer)
+  for b in range(last):
+    for _, _, leaves, _ in groups[b]:
+      assert not leaves & first_layer
+  for b in range(1, len(buckets)):
+    earlier = {ident for ident, *_ in groups[b - 1]}
+    assert ordered(before & earlier for *_, before in groups[b]), f"bucket {b} not after {b - 1}"
+  return groups
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_each_bucket_s_exchange_waits_only_for_its_own_and_earlier_gradients(name):
+  mesh = training.make_mesh(8)
+  tx = _build(name, bucket_cap_mb=CAP_MB)
+  chain = optax.chain(tx, optax.sgd(0.1))
+  step = training.make_step(loss_fn, chain, mesh, "data", donate=False)
+  state = training.init_state(chain, PARAMS, mesh, "data")
+  closed = jax.make_jaxpr(step)(PARAMS, state, training.shard(_batch(8), mesh, "data"))
+  _assert_pipelined(closed, _plan(tx))
+
+
+@pytest.mark.parametrize("name", ["allreduce", "gtopk"])
+def test_without_buckets_every_exchange_waits_for_the_first_layer(name):
+  """The walk sees the dependency it must: one bucket, so the first layer's gradient
+  is an ancestor of every exchange of a gradient."""
+  mesh = training.make_mesh(8)
+  chain = optax.chain(_build(name), optax.sgd(0.1))
+  step = training.make_step(loss_fn, chain, mesh, "data", donate=False)
+  state = training.init_state(chain, PARAMS, mesh, "data")
+  closed = jax.make_jaxpr(step)(PARAMS, state, training.shard(_batch(8), mesh, "data"))
+  first = KEYS.index("l0_w")
+  exchanges = [c for c in collective_ancestors(closed) if c[2]]
+  assert exchanges and all(first in leaves for _, _, leaves, _ in exchanges)
+
+
+@pytest.mark.parametrize("name", ["gtopk", "powersgd", "acpsgd"])
+def test_the_hierarchy_s_buckets_are_pipelined_too(name):
+  """On (dcn 2, ici 4): each bucket's fast reduce-scatter, slow exchange and fast
+  all-gather wait only for its own and earlier gradients, and its bytes per axis
+  are the formula's."""
+  shape, axes = (2, 4), ("dcn", "ici")
+  mesh = training.make_mesh(shape, axes)
+  tx = jaxcomp.hierarchical(_build(name, "dcn", bucket_cap_mb=CAP_MB / 4), "ici", 4)
+  chain = optax.chain(tx, optax.sgd(0.1))
+  step = training.make_step(loss_fn, chain, mesh, axes, donate=False)
+  state = training.init_state(chain, PARAMS, mesh, axes)
+  batch = training.shard(_batch(8), mesh, axes)
+  closed = jax.make_jaxpr(step)(PARAMS, state, batch)
+  inner = protocol.spec(_build(name, "dcn", bucket_cap_mb=CAP_MB / 4)).fused
+  buckets = inner.plan(hierarchical_lib.shard_shapes(PARAMS, 4))
+  assert len(buckets) == 3
+  _assert_pipelined(closed, buckets)
+  compiled = step.lower(PARAMS, state, batch).compile()
+  read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
+  assert read == wire.expected_bytes(tx, PARAMS, dict(mesh.shape)).by_axes
+
+
+@pytest.mark.parametrize("name", ["gtopk", "powersgd"])
+def test_the_fsdp_step_s_buckets_are_pipelined_too(name):
+  mesh = training.make_mesh((2, 4), ("dcn", "ici"))
+  tx = _build(name, "dcn", bucket_cap_mb=CAP_MB / 4)
+  chain = optax.chain(tx, optax.sgd(0.1))
+  step = training.make_fsdp_step(loss_fn, chain, mesh, "dcn", "ici", PARAMS, donate=False)
+  params = training.shard_params(PARAMS, mesh, "ici")
+  state = training.init_fsdp_state(chain, PARAMS, mesh, "dcn", "ici")
+  batch = training.shard(_batch(8), mesh, ("dcn", "ici"))
+  closed = jax.make_jaxpr(step)(params, state, batch)
+  buckets = protocol.spec(tx).fused.plan(hierarchical_lib.shard_shapes(PARAMS, 4))
+  assert len(buckets) == 3
+  _assert_pipelined(closed, buckets, ordered=any)
+  compiled = step.lower(params, state, batch).compile()
+  read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
+  assert read == wire.tally(training.fsdp_transfers(tx, PARAMS, dict(mesh.shape),
+                                                    "dcn", "ici")).by_axes
