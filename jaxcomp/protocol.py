@@ -23,6 +23,7 @@ Example::
 """
 
 from jaxcomp._src.protocol import Method as Method
+from jaxcomp._src.protocol import FORM as FORM
 from jaxcomp._src.protocol import Context as Context
 from jaxcomp._src.protocol import Output as Output
 from jaxcomp._src.protocol import Zeroed as Zeroed
@@ -52,6 +53,7 @@ from jaxcomp._src.checks import num_selected as num_selected
 from jaxcomp._src.checks import raw_key as raw_key
 
 __all__ = (
+    "FORM",
     "all_finite",
     "announce",
     "attach_spec",

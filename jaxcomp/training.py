@@ -31,6 +31,7 @@ from jaxcomp._src.layout import PerDeviceState as PerDeviceState
 from jaxcomp._src.steps import LossFn as LossFn
 from jaxcomp._src.steps import make_update as make_update
 from jaxcomp._src.steps import make_step as make_step
+from jaxcomp._src.steps import FormedStep as FormedStep
 from jaxcomp._src.steps import make_pmap_step as make_pmap_step
 from jaxcomp._src.steps import pmap_stack as pmap_stack
 from jaxcomp._src.steps import init_pmap_state as init_pmap_state
@@ -70,6 +71,7 @@ __all__ = (
     "make_mesh",
     "make_pmap_step",
     "make_step",
+    "FormedStep",
     "make_update",
     "mesh_axes",
     "num_replicas",

@@ -419,8 +419,12 @@ def test_each_bucket_s_exchange_waits_only_for_its_own_and_earlier_gradients(nam
   chain = optax.chain(tx, optax.sgd(0.1))
   step = training.make_step(loss_fn, chain, mesh, "data", donate=False)
   state = training.init_state(chain, PARAMS, mesh, "data")
-  closed = jax.make_jaxpr(step)(PARAMS, state, training.shard(_batch(8), mesh, "data"))
-  _assert_pipelined(closed, _plan(tx))
+  batch = training.shard(_batch(8), mesh, "data")
+  # The program of every form (a switch among them), and each form's own.
+  form = protocol.spec(tx).form
+  forms = sorted({form(count) for count in range(8)}) if form else []
+  for program in [step] + [step.program(f) for f in forms]:
+    _assert_pipelined(jax.make_jaxpr(program)(PARAMS, state, batch), _plan(tx))
 
 
 @pytest.mark.parametrize("name", ["allreduce", "gtopk"])

@@ -120,7 +120,7 @@ def test_a_growing_batch_compiles_the_step_once_per_size(compressor):
     p, s, metrics = step(p, s, training.shard(batch(sizes(i), i), mesh, "data"))
     jax.block_until_ready(metrics["loss"])
     jitted.append(jax.tree.map(np.asarray, p))  # the next step donates p
-  assert step._cache_size() == 3
+  assert step.cache_size() == 3
   # Each device's part of the batch: 1, 2, then 4 examples.
   assert traces == [(1, 6), (2, 6), (4, 6)]
 

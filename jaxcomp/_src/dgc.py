@@ -149,10 +149,12 @@ def dgc(
      zero where sent) and ``u`` is zeroed where sent.
   5. *Warm-up*: the density follows 25%, 6.25%, 1.5625%, 0.4% in four equal
      stages over ``warmup_steps``, then ``density`` (a stage never goes below
-     ``density``). Each stage is one branch of a ``lax.switch`` on the step
-     count (the same on every device) with its own static ``k``, so each
-     stage sends its own payload and nothing recompiles: one program, and
-     after the warm-up the wire carries the ``k`` of ``density`` only.
+     ``density``). Each stage is one form of the step with its own static
+     ``k``, so each stage sends its own payload, and after the warm-up the
+     wire carries the ``k`` of ``density`` only. The step builders compile
+     one program per stage and pick it on the host (no exchange inside a
+     conditional); ``update`` alone holds them all in one program, a
+     ``lax.switch`` on the step count (the same on every device).
 
   The other leaves (biases and norms under the default rule) are fused into
   one dense :func:`jaxcomp.collectives.mean` and get the momentum on the
@@ -263,8 +265,7 @@ def dgc(
       if warmup_steps:
         # The stages' k differ, so a branch returns the n-sized mean and an
         # n-byte mask of what was sent, not its indices.
-        sparse_mean, sent, check = ctx.switch(
-            _stage(ctx.count, warmup_steps), [functools.partial(exchange, k) for k in ks])
+        sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
       else:
         sparse_mean, sent, check = exchange(ks[-1])
       # What was sent leaves the velocity, and its momentum is masked, leaf by
@@ -305,7 +306,8 @@ def dgc(
       axes=axes, state=DGCState, step=step, wire=wire_cost,
       init=lambda params, bucket: {"momentum": error_feedback.init(params)},
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
-      seed=seed, bucket_cap_mb=bucket_cap_mb))
+      seed=seed, bucket_cap_mb=bucket_cap_mb,
+      form=(lambda count: _stage(count, warmup_steps)) if warmup_steps else None))
 
 
 def _sparse_first(tree, where) -> fusion.Bucket:

@@ -101,40 +101,45 @@ def make_fsdp_step(
     ``params`` of :func:`shard_params`, ``opt_state`` of
     :func:`init_fsdp_state`, ``batch`` sharded over both axes.
 
-  Wire: :func:`fsdp_transfers`.
+  Wire: :func:`fsdp_transfers`. A :class:`jaxcomp.training.FormedStep`:
+  one program per form of the compressor's step.
   """
   axes = (slow_axis, fast_axis)
   whole = protocol.abstract(like)
   size = mesh.shape[fast_axis]
-  shard_like = jax.eval_shape(tx.init, shard_shapes(whole, size))
-
-  def per_device(shard, blocks, batch):
-    state = layout.blocks_to_local(blocks, shard_like)
-
-    def local_loss(shard):
-      blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
-      return loss_fn(gather_params(blocks, whole), batch)
-
-    loss, grads = jax.value_and_grad(local_loss)(shard)
-    grads = jax.tree.map(lambda g: g / size, grads)
-    # Every device updates its own shard: the skip must be the same on all of them.
-    new_shard, new_state, finite = steps.guarded_update(
-        tx, grads, state, shard, skip_nonfinite=skip_nonfinite, agree_over=axes)
-    add_axis = lambda x: jnp.expand_dims(x, 0)
-    metrics = {"loss": loss, "finite": finite}
-    return new_shard, layout.local_to_blocks(new_state), jax.tree.map(add_axis, metrics)
-
+  shard_params_like = shard_shapes(whole, size)
+  shard_like = jax.eval_shape(tx.init, shard_params_like)
   spec = PartitionSpec(axes)
-  sharded = jax.shard_map(
-      per_device, mesh=mesh, in_specs=(PartitionSpec(fast_axis), spec, spec),
-      out_specs=(PartitionSpec(fast_axis), spec, spec), check_vma=False)
   count = layout.num_replicas(mesh, axes)
 
-  def step(params, opt_state, batch):
-    layout.check_per_device(opt_state, shard_like, count, "opt_state")
-    return sharded(params, opt_state, batch)
+  def build(form: Optional[int]) -> Callable:
+    def per_device(shard, blocks, batch):
+      state = layout.blocks_to_local(blocks, shard_like)
 
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+      def local_loss(shard):
+        blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
+        return loss_fn(gather_params(blocks, whole), batch)
+
+      loss, grads = jax.value_and_grad(local_loss)(shard)
+      grads = jax.tree.map(lambda g: g / size, grads)
+      # Every device updates its own shard: the skip must be the same on all of them.
+      new_shard, new_state, finite = steps.guarded_update(
+          tx, grads, state, shard, skip_nonfinite=skip_nonfinite, agree_over=axes, form=form)
+      add_axis = lambda x: jnp.expand_dims(x, 0)
+      metrics = {"loss": loss, "finite": finite}
+      return new_shard, layout.local_to_blocks(new_state), jax.tree.map(add_axis, metrics)
+
+    sharded = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(PartitionSpec(fast_axis), spec, spec),
+        out_specs=(PartitionSpec(fast_axis), spec, spec), check_vma=False)
+
+    def step(params, opt_state, batch):
+      layout.check_per_device(opt_state, shard_like, count, "opt_state")
+      return sharded(params, opt_state, batch)
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+  return steps.FormedStep(build, lambda args: steps.formed_spec(tx, shard_params_like))
 
 
 

@@ -192,9 +192,10 @@ def hierarchical(
   spec = protocol.Spec(
       name=inner_spec.name,
       config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
-      axes=inner_spec.axes + (fast_axis,), wire=wire_cost)
+      axes=inner_spec.axes + (fast_axis,), wire=wire_cost, form=inner_spec.form,
+      state=inner_spec.state)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     del params
     # In a search, the inner compressor is not traced: this spec prices it on the shard.
     if protocol.announce(spec, updates):
@@ -246,7 +247,8 @@ def hierarchical(
       return {i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)}, out
 
     results, new_inner, ok = fused.update(like, state.inner_state, exchange,
-                                          compact=fused.message is not None)
+                                          compact=fused.message is not None,
+                                          form=extra_args.get(protocol.FORM))
     result = fusion.scatter_leaves(updates, {i: x for r in results for i, x in r.items()})
     if ok is not None:
       # Each shard's slow group decides on its own shard; a step skipped on one
@@ -256,7 +258,7 @@ def hierarchical(
     return result, HierarchicalState(inner_state=new_inner)
 
   protocol.attach_spec(update_fn, spec)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def dense_transfers(padded: int, fast_axis: str, fast_size: int,

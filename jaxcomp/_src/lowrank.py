@@ -555,10 +555,14 @@ def acpsgd(
   Each step is one power-iteration half-step; the alternation replaces
   PowerSGD's two all-reduces per step by one, half its traffic, and the
   factors' orthonormalisation moves off the critical path (the paper's
-  point). Both branches live in one compiled program (a ``lax.switch`` on
-  the parity of ``count``, the same on every device: branch 0 the P step,
-  branch 1 the Q step); a branch holds the product and the all-reduce, and
-  the one orthonormalisation runs after it. Error feedback as in
+  point). The step's form is the parity of ``count``: 0 the P step, 1 the
+  Q step. The step builders (:func:`jaxcomp.training.make_step`,
+  :func:`jaxcomp.training.make_fsdp_step`) compile one program per form and
+  pick it on the host, so that no exchange sits inside a conditional (where
+  it could not overlap the backward pass); ``update`` alone holds both in
+  one program (a ``lax.switch`` on the parity, the same on every device). A
+  branch holds the product and the all-reduce, and the one
+  orthonormalisation runs after it. Error feedback as in
   :func:`powersgd`; ``P^`` and ``Q^`` start Gaussian from ``seed``,
   orthonormal. A factor column that comes back zero (a zero gradient) keeps
   its previous value before the orthonormalisation.
@@ -643,9 +647,9 @@ def acpsgd(
       return (p_beside, q_mean, p_beside, _join(local), reduced[view.q_size:],
               view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
 
-    even = ctx.count % 2 == 0
+    even = ctx.form == 0
     p_mean, q_mean, p_sent, q_sent, dense_mean, fresh, old = ctx.switch(
-        ctx.count % 2, (p_step, q_step), view.matrices(corrected[:view.lowrank.size]))
+        (p_step, q_step), view.matrices(corrected[:view.lowrank.size]))
     ortho = _orthonormalize(_refill(fresh, old))
     new_p = jnp.where(even, view.uncolumns(ortho, "p"), state.p)
     new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
@@ -670,4 +674,4 @@ def acpsgd(
       axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True,
       message=_message(rank, min_compression_rate), bucket_cap_mb=bucket_cap_mb,
-      bucket_fields=("p", "q")))
+      bucket_fields=("p", "q"), form=lambda count: count % 2))

@@ -85,6 +85,11 @@ class Context:
       (``None`` for the first bucket): :meth:`ordered` adds it to every
       payload the context's collectives send, so this bucket's exchange
       follows the one before.
+    form: for a method with several forms of step (:attr:`Method.form`),
+      this step's: a Python int when the step builder picked it on the host
+      (``update``'s ``compressor_form`` argument), else an int32 scalar
+      computed from ``count`` (the same on every device). :meth:`switch`
+      branches on it.
   """
 
   bucket: fusion.Bucket
@@ -95,6 +100,7 @@ class Context:
   carry: Any = None
   finite: Optional[jax.Array] = None
   after: Optional[jax.Array] = None
+  form: Any = None
 
   @property
   def num_devices(self) -> int:
@@ -136,13 +142,20 @@ class Context:
     """Row ``i`` of ``message`` (``[P, ...]`` bytes) to device ``i``; row ``j`` back from device ``j``."""
     return collectives.all_to_all(self.ordered(message), self.axes)
 
-  def switch(self, index: jax.Array, branches: Sequence[Callable], *operands):
-    """``lax.switch`` on an ``index`` derived from ``count`` (the same on every device).
+  def switch(self, branches: Sequence[Callable], *operands):
+    """``branches[form](*operands)``, for this step's :attr:`form`.
 
-    A branch may hold collectives because every device takes the same one;
+    A form picked on the host runs its branch alone: no conditional in the
+    program, so its collectives are scheduled with the rest (overlapping the
+    backward pass). A traced form is a ``lax.switch``: a branch may hold
+    collectives because every device takes the same one, and
     :func:`jaxcomp.wire.collective_bytes` reports their bytes by branch.
     """
-    return lax.switch(index, list(branches), *operands)
+    if isinstance(self.form, int):
+      if not 0 <= self.form < len(branches):
+        raise ValueError(f"`{FORM}` must be in [0, {len(branches)}), got {self.form}")
+      return branches[self.form](*operands)
+    return lax.switch(self.form, list(branches), *operands)
 
 
 Mean = Union[jax.Array, Sequence[jax.Array]]
@@ -216,6 +229,11 @@ class Spec:
       of ``axes`` to its size, and each transfer names the axes it crosses.
     fused: the compressor's :class:`Fused` path; ``None`` for a wrapper
       (:func:`jaxcomp.hierarchical`), which has none.
+    form: ``form(count) -> int`` for a method with several forms of step
+      (:attr:`Method.form`), ``None`` otherwise: a step builder reads the
+      ``count`` of the state of type ``state`` once and passes each step's
+      form to ``update`` (:data:`FORM`).
+    state: the type of the compressor's state (inside a wrapper's state).
   """
 
   name: str
@@ -223,6 +241,8 @@ class Spec:
   axes: tuple[str, ...]
   wire: Callable[[Any, Mapping[str, int], Optional[int]], tuple]
   fused: Optional["Fused"] = None
+  form: Optional[Callable[[int], int]] = None
+  state: Optional[type] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +263,9 @@ class Fused:
       ``jax.ShapeDtypeStruct``.
     plan: ``plan(tree) -> tuple[Bucket, ...]``: that bucket cut into the
       buckets it exchanges, in order (one without ``bucket_cap_mb``).
-    update: ``update(like, state, exchange, compact=False) -> (results,
-      new_state, ok)``, inside ``shard_map`` over the compressor's axes.
+    update: ``update(like, state, exchange, compact=False, form=None) ->
+      (results, new_state, ok)``, inside ``shard_map`` over the compressor's
+      axes; ``form`` as ``update``'s ``compressor_form`` (:data:`FORM`).
       ``like``: the leaves' shapes and dtypes (arrays or
       ``jax.ShapeDtypeStruct``), shaped like the state's parameters, with
       at least one element. For each bucket of ``plan(like)`` in order it
@@ -324,6 +345,13 @@ class Method:
       by ``init`` from it: the low-rank factors); with two buckets or more
       each holds a tuple of one array per bucket, and ``step`` sees its
       bucket's.
+    form: ``form(count) -> int`` in ``[0, forms)``, for a method whose step
+      takes one of several forms (ACP-SGD's P and Q steps, DGC's warm-up
+      stages), each a branch of :meth:`Context.switch`; it must give the
+      same on a traced ``count`` and on a Python int. ``update`` takes the
+      step's form as ``compressor_form`` (a step builder picks it on the
+      host, one program per form, no conditional in any); without it the
+      form is computed from ``count`` in the program.
   """
 
   name: str
@@ -342,6 +370,12 @@ class Method:
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
+  form: Optional[Callable[[Any], Any]] = None
+
+
+# The keyword of ``update`` that carries a step's form picked on the host
+# (an optax extra argument: ``optax.chain`` hands it to every member).
+FORM = "compressor_form"
 
 
 def _has(state_class: type, field: str) -> bool:
@@ -426,7 +460,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       values["rng_key"] = checks.raw_key(method.seed)
     return method.state(**values)
 
-  def bucket_step(updates: optax.Updates, state, bucket: fusion.Bucket, key, after):
+  def bucket_step(updates: optax.Updates, state, bucket: fusion.Bucket, key, after, form):
     """``(out, written, ok)`` of one bucket of at least one element.
 
     ``state``: the state as the buckets before left it, with this bucket's
@@ -435,7 +469,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     ``ok``: the mean is finite (``None`` when ``propagates_nonfinite``).
     """
     ctx = Context(bucket, method.axes, checks.axis_sizes(method.axes),
-                  state.count if counted else None, key=key, after=after)
+                  state.count if counted else None, key=key, after=after, form=form)
     if method.prepare is not None:
       prepared, carry = method.prepare(ctx, bucket.flatten(updates), state)
       ctx = dataclasses.replace(ctx, carry=carry)
@@ -468,8 +502,16 @@ def compressor(method: Method) -> optax.GradientTransformation:
     # The mean is identical on every device, so is this choice.
     return out, written, _all_finite(out.mean if out.witness is None else out.witness)
 
-  def run(state, buckets: Sequence[fusion.Bucket], exchange: Callable):
-    """``(results, new_state, ok)``: every bucket's step, in order.
+  def step_form(state, form: Optional[int]):
+    """The form of this step: ``form`` as picked on the host, else computed from ``count``."""
+    if method.form is None:
+      return None  # a form handed to every member of a chain is another's
+    if form is None:
+      return method.form(state.count)
+    return int(checks.check_number(form, FORM, integer=True, low=0))
+
+  def run(state, buckets: Sequence[fusion.Bucket], exchange: Callable, form: Optional[int]):
+    """``(results, new_state, ok)``: every bucket's step, in order, in the step's ``form``.
 
     ``exchange(index, bucket, after, compress) -> (result, out)``: hands
     bucket ``index`` to ``compress(updates) -> out`` (its :class:`Output`),
@@ -487,6 +529,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     split = len(buckets) > 1
     own = {f: [] for f in (method.bucket_fields if split else ())}
     threaded, results, oks, after = state, [], [], None
+    form = step_form(state, form)
     for index, bucket in enumerate(buckets):
       view = threaded._replace(**{f: getattr(state, f)[index] for f in own})
       draw = jax.random.fold_in(key, index) if (split and key is not None) else key
@@ -494,7 +537,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
       def compress(updates, view=view, draw=draw, after=after):
         nonlocal written, ok
-        out, written, ok = bucket_step(updates, view, bucket, draw, after)
+        out, written, ok = bucket_step(updates, view, bucket, draw, after, form)
         return out
 
       result, out = exchange(index, bucket, after, compress)
@@ -519,7 +562,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
     checks.axis_sizes(method.axes)  # an unknown axis is named even when nothing is sent
     return plan(updates)
 
-  def fused_update(like: chex.ArrayTree, state, exchange: Callable, compact: bool = False):
+  def fused_update(like: chex.ArrayTree, state, exchange: Callable, compact: bool = False,
+                   form: Optional[int] = None):
     if compact and method.message is None:
       raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
     buckets = checked_buckets(like, state)
@@ -539,16 +583,19 @@ def compressor(method: Method) -> optax.GradientTransformation:
         return mean, out
       return exchange(index, bucket, after, flat_in)
 
-    return run(state, buckets, each)
+    return run(state, buckets, each, form)
 
   def wire(shapes, axis_sizes, steps=None):
     return sum((method.wire(bucket, axis_sizes, steps) for bucket in plan(shapes)), ())
 
   spec_ = Spec(method.name, dict(method.config), method.axes, wire,
                fused=Fused(method.layout, plan, fused_update, method.propagates_nonfinite,
-                           method.message))
+                           method.message),
+               form=None if method.form is None else lambda count: int(method.form(count)),
+               state=method.state)
 
-  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None):
+  def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None,
+                **extra_args):
     del params
     if announce(spec_, updates):
       return updates, state
@@ -562,13 +609,13 @@ def compressor(method: Method) -> optax.GradientTransformation:
       out = compress(updates)
       return (bucket, out.mean), out
 
-    means, new_state, ok = run(state, buckets, exchange)
+    means, new_state, ok = run(state, buckets, exchange, extra_args.get(FORM))
     for bucket, mean in means:
       updates = bucket.unflatten(mean, like=updates)
     return updates, new_state if ok is None else keep_if(ok, new_state, state)
 
   attach_spec(update_fn, spec_)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def attach_spec(update_fn: Callable, spec_: Spec) -> None:

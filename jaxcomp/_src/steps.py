@@ -115,6 +115,7 @@ def make_update(
 def guarded_update(
     tx: optax.GradientTransformation, grads: optax.Updates, state: optax.OptState,
     params: optax.Params, *, skip_nonfinite: bool, agree_over: tuple[str, ...] = (),
+    form: Optional[int] = None,
 ) -> tuple[optax.Params, optax.OptState, jax.Array]:
   """``(new_params, new_state, finite)``: ``tx``'s update applied, or the step skipped.
 
@@ -123,9 +124,11 @@ def guarded_update(
   non-finite one leaves parameters and state as they were. The compressor's
   mean is identical on every device, so is this decision; where each device
   updates its own shard (FSDP), ``agree_over`` names the axes over which the
-  devices agree on it (one int32 all-reduce).
+  devices agree on it (one int32 all-reduce). ``form``: the compressor's form
+  of this step, picked on the host (:class:`FormedStep`), or ``None``.
   """
-  updates, new_state = tx.update(grads, state, params)
+  extra = {} if form is None else {protocol.FORM: form}
+  updates, new_state = tx.update(grads, state, params, **extra)
   # One reduction over the fused updates: one per leaf compiles in time that
   # grows with the square of the number of leaves.
   finite = protocol.all_finite(fusion.Bucket.of(updates).flatten(updates))
@@ -138,7 +141,7 @@ def guarded_update(
   return new_params, new_state, finite
 
 
-def _replicated_body(tx, loss_fn, has_aux, skip_nonfinite):
+def _replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form=None):
   """The per-device body of the shard_map and pmap steps: ``(params, state, metrics)``."""
 
   def body(params, state, batch):
@@ -146,13 +149,88 @@ def _replicated_body(tx, loss_fn, has_aux, skip_nonfinite):
         loss_fn if has_aux else lambda p, b: (loss_fn(p, b), None), has_aux=True
     )(params, batch)
     new_params, new_state, finite = guarded_update(
-        tx, grads, state, params, skip_nonfinite=skip_nonfinite)
+        tx, grads, state, params, skip_nonfinite=skip_nonfinite, form=form)
     metrics = {"loss": loss, "finite": finite}
     if has_aux:
       metrics["aux"] = aux
     return new_params, new_state, metrics
 
   return body
+
+
+class FormedStep:
+  """A jitted step whose compressor's step takes one of several forms: one program per form.
+
+  ACP-SGD's P and Q steps and DGC's warm-up stages (:attr:`jaxcomp.protocol.Method.form`)
+  send different payloads. In one program they are the branches of a
+  conditional, and XLA schedules a collective inside a conditional apart
+  from the backward pass it could overlap. Here each form is a program of
+  its own, picked on the host from the compressor's step ``count`` in the
+  state: one int32 read to the host per step, which waits for the step
+  before it to finish (a skipped step does not advance the count, so the
+  host cannot count steps itself). The results are those of the one program
+  that holds every form, bit for bit.
+
+  For a step with no such compressor, or one the transformation does not
+  hand the form to (a wrapper that drops optax's extra arguments), it is the
+  one jitted program, and nothing is read. Called under a trace
+  (``jax.make_jaxpr``) or lowered, it is the program that holds every form
+  (``program(None)``), unless ``lower`` is given a form.
+  """
+
+  def __init__(self, build: Callable[[Optional[int]], Callable],
+               find_spec: Callable[[tuple], Optional[protocol.Spec]], state_arg: int = 1):
+    """``build(form)``: the jitted program of one form (``None``: every form);
+    ``find_spec(args)``: the spec of the one compressor with forms, or ``None``."""
+    self._build = build
+    self._find_spec = find_spec
+    self._state_arg = state_arg
+    self._programs: dict = {}
+    self._searched = False
+    self._spec: Optional[protocol.Spec] = None
+
+  def program(self, form: Optional[int] = None) -> Callable:
+    """The jitted program of ``form`` (``None``: the one that holds every form)."""
+    if form not in self._programs:
+      self._programs[form] = self._build(form)
+    return self._programs[form]
+
+  def lower(self, *args, form: Optional[int] = None):
+    """``program(form).lower(*args)``."""
+    return self.program(form).lower(*args)
+
+  def cache_size(self) -> int:
+    """Programs compiled, over every form."""
+    return sum(p._cache_size() for p in self._programs.values())  # pylint: disable=protected-access
+
+  def _form(self, state) -> Optional[int]:
+    """The form of the step on ``state``, or ``None`` (the program of every form)."""
+    if self._spec is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+      return None
+    spec_state = self._spec.state
+    found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, spec_state))
+             if isinstance(x, spec_state)]
+    if not found:
+      return None
+    # Every device holds the same count: the first's.
+    return self._spec.form(int(np.asarray(found[0].count).reshape(-1)[0]))
+
+  def __call__(self, *args):
+    if not self._searched:
+      self._spec, self._searched = self._find_spec(args), True
+    return self.program(self._form(args[self._state_arg]))(*args)
+
+
+def formed_spec(tx: optax.GradientTransformation, params: optax.Params) -> Optional[protocol.Spec]:
+  """The spec of the one compressor with forms in ``tx`` that can be handed its form, or ``None``.
+
+  ``tx`` must take optax's extra arguments (``optax.chain`` and every jaxcomp
+  compressor do); with two compressors with forms, neither is picked.
+  """
+  if not isinstance(tx, optax.GradientTransformationExtraArgs):
+    return None
+  specs = [s for s in protocol.find_specs(tx, params) if s.form is not None]
+  return specs[0] if len(specs) == 1 else None
 
 
 def make_step(
@@ -186,35 +264,40 @@ def make_step(
     ``params`` replicated, ``opt_state`` laid out per device (see
     :func:`jaxcomp.training.init_state`), ``batch`` sharded on its leading axis (see
     :func:`jaxcomp.training.shard`), and ``metrics`` holding per-device ``loss`` and ``finite``
-    with a leading device axis (no collective is spent on them).
+    with a leading device axis (no collective is spent on them). A
+    :class:`FormedStep`: one program per form of the compressor's step.
   """
   spec = layout.axes_spec(axis_name)
-  body = _replicated_body(tx, loss_fn, has_aux, skip_nonfinite)
-
-  def per_device(params, blocks, batch):
-    state = layout.blocks_to_local(blocks, jax.eval_shape(tx.init, params))
-    params, state, metrics = body(params, state, batch)
-    add_axis = lambda x: jnp.expand_dims(x, 0)
-    return params, layout.local_to_blocks(state), jax.tree.map(add_axis, metrics)
-
-  sharded = jax.shard_map(
-      per_device,
-      mesh=mesh,
-      in_specs=(PartitionSpec(), spec, spec),
-      out_specs=(PartitionSpec(), spec, spec),
-      # The compressors' outputs are equal on every device by construction
-      # (tests check it bit for bit); the type system cannot see that through
-      # ppermute and all-to-all.
-      check_vma=False,
-  )
   count = layout.num_replicas(mesh, axis_name)
 
-  def step(params, opt_state, batch):
-    layout.check_per_device(opt_state, jax.eval_shape(tx.init, protocol.abstract(params)), count,
-                      "opt_state")
-    return sharded(params, opt_state, batch)
+  def build(form: Optional[int]) -> Callable:
+    body = _replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form)
 
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    def per_device(params, blocks, batch):
+      state = layout.blocks_to_local(blocks, jax.eval_shape(tx.init, params))
+      params, state, metrics = body(params, state, batch)
+      add_axis = lambda x: jnp.expand_dims(x, 0)
+      return params, layout.local_to_blocks(state), jax.tree.map(add_axis, metrics)
+
+    sharded = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), spec, spec),
+        out_specs=(PartitionSpec(), spec, spec),
+        # The compressors' outputs are equal on every device by construction
+        # (tests check it bit for bit); the type system cannot see that through
+        # ppermute and all-to-all.
+        check_vma=False,
+    )
+
+    def step(params, opt_state, batch):
+      layout.check_per_device(opt_state, jax.eval_shape(tx.init, protocol.abstract(params)),
+                              count, "opt_state")
+      return sharded(params, opt_state, batch)
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+  return FormedStep(build, lambda args: formed_spec(tx, protocol.abstract(args[0])))
 
 
 def make_pmap_step(
