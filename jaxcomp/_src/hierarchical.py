@@ -117,7 +117,10 @@ def hierarchical(
 
   Args:
     compressor: a jaxcomp compressor built over the slow axis (or axes),
-      e.g. ``jaxcomp.gtopk(1e-3, "dcn")``.
+      e.g. ``jaxcomp.gtopk(1e-3, "dcn")``. With its ``bucket_cap_mb``, the
+      shard is cut into buckets of that many MiB (of the shard: ``X`` times
+      as much gradient per bucket), each reduce-scattered, compressed and
+      all-gathered after the one before.
     fast_axis: the fast mesh axis (inside a node or slice).
     fast_size: ``X``, its size (the state is built outside any mesh, so it
       is given here), an int >= 1.
@@ -142,7 +145,7 @@ def hierarchical(
   compressor with state to protect an all-reduce of one int32 (whether every shard's
   step is kept, :func:`skip_flag`), ``2 (X - 1) / X * 4`` bytes; on the slow
   axis, the compressor's formula for gradients shaped like the shard
-  (:func:`shard_shapes`).
+  (:func:`shard_shapes`). With buckets, all of it per bucket.
 
   Example::
 

@@ -28,7 +28,10 @@ the rest, once, for every method:
    PRNG key split every step) written only where the mean is finite (every
    bucket's, decided once after the last exchange): a skipped step leaves
    every state as it was, on every device alike;
-7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair).
+7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair);
+8. a step of several forms (:attr:`Method.form`): the form picked on the host
+   (``update``'s ``compressor_form``, one program per form) or computed from
+   ``count`` in the program (:meth:`Context.switch`).
 
 Every compressor carries a :class:`Spec` (its registry name, its
 configuration, its axes and its wire formula) on its ``update`` function, and
