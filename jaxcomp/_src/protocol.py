@@ -234,8 +234,8 @@ class Spec:
       (:func:`jaxcomp.hierarchical`), which has none.
     form: ``form(count) -> int`` for a method with several forms of step
       (:attr:`Method.form`), ``None`` otherwise: a step builder reads the
-      ``count`` of the state of type ``state`` once and passes each step's
-      form to ``update`` (:data:`FORM`).
+      ``count`` in the state of type ``state`` and passes the step's form to
+      ``update`` (:data:`FORM`).
     state: the type of the compressor's state (inside a wrapper's state).
   """
 
@@ -538,7 +538,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       draw = jax.random.fold_in(key, index) if (split and key is not None) else key
       written, ok = {}, None
 
-      def compress(updates, view=view, draw=draw, after=after):
+      def compress(updates, view=view, bucket=bucket, draw=draw, after=after):
         nonlocal written, ok
         out, written, ok = bucket_step(updates, view, bucket, draw, after, form)
         return out
