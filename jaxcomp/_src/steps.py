@@ -205,15 +205,15 @@ class FormedStep:
 
   def _form(self, state) -> Optional[int]:
     """The form of the step on ``state``, or ``None`` (the program of every form)."""
-    if self._spec is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    if self._spec is None:
       return None
     spec_state = self._spec.state
-    found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, spec_state))
+    found = [x.count for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, spec_state))
              if isinstance(x, spec_state)]
-    if not found:
+    if not found or isinstance(found[0], jax.core.Tracer):  # traced: every form
       return None
     # Every device holds the same count: the first's.
-    return self._spec.form(int(np.asarray(found[0].count).reshape(-1)[0]))
+    return self._spec.form(int(np.asarray(found[0]).reshape(-1)[0]))
 
   def __call__(self, *args):
     if not self._searched:
