@@ -89,7 +89,7 @@ def test_the_plan_is_ddp_s_rule_on_the_model():
 def test_the_plan_partitions_in_reverse_order_and_closes_at_the_cap(sizes, cap_kib):
   """Every leaf once; the buckets run from the last leaves to the first; each
   closes with the leaf that brings it to its limit (the first's is 1 MiB, here
-  scaled down with the cap), and a leaf past the cap is a bucket of its own."""
+  scaled down with the cap), so a leaf past the cap closes the bucket it joins."""
   tree = [jax.ShapeDtypeStruct((n,), jnp.float32 if n % 3 else jnp.bfloat16) for n in sizes]
   bucket = protocol.Bucket.of(tree)
   cap_mb = cap_kib / 1024

@@ -50,7 +50,7 @@ def allreduce(
     bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's mean is
-      the same as without buckets, bit for bit.
+      the dense mean of its entries, as without buckets.
 
   Returns:
     An ``optax.GradientTransformation``

@@ -121,8 +121,8 @@ def plan(bucket: Bucket, cap_mb: Optional[float]) -> tuple[Bucket, ...]:
   order (the last layers' gradients exist first), each added to the open
   bucket, which closes once it holds ``cap_mb`` MiB of gradient (the
   leaves' own dtypes) or more; the first closes at
-  ``min(FIRST_BUCKET_MB, cap_mb)``. A leaf larger than the cap is a bucket
-  of its own. Within a bucket the leaves keep ``bucket``'s order (the
+  ``min(FIRST_BUCKET_MB, cap_mb)``. A leaf larger than the cap closes the
+  bucket it joins. Within a bucket the leaves keep ``bucket``'s order (the
   method's layout). ``cap_mb=None`` or no leaf: ``(bucket,)``, one bucket.
 
   Returns:

@@ -365,7 +365,8 @@ class PowerSGDState(NamedTuple):
       column too large for f32 (it reaches ``sqrt(rows)`` times the
       gradient's largest entry) is kept divided by :func:`_headroom` of
       ``rows``: the warm start reads the columns' directions only. With
-      ``bucket_cap_mb``, a tuple of such buffers, one per bucket.
+      two buckets or more (``bucket_cap_mb``), a tuple of such buffers, one per
+      bucket.
     rng_key: raw ``uint32`` key, identical on every device (never folded with
       the device index); draws a fresh ``Q`` each step when ``warm_start`` is
       off.
@@ -420,7 +421,7 @@ def powersgd(
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's
       matrices are factored on their own, and ``q`` in the state holds one
-      buffer per bucket.
+      buffer per bucket (with two buckets or more).
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` returns the
@@ -524,8 +525,8 @@ class ACPSGDState(NamedTuple):
     q: f32 flat buffer of the orthonormal ``Q`` factors of the last odd step
       (or the initial ones), identical on every device.
 
-  With ``bucket_cap_mb``, ``p`` and ``q`` are tuples of such buffers, one per
-  bucket.
+  With two buckets or more (``bucket_cap_mb``), ``p`` and ``q`` are tuples of
+  such buffers, one per bucket.
   """
 
   count: jax.Array
@@ -580,8 +581,8 @@ def acpsgd(
     bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket's
-      matrices are factored on their own, and ``p``, ``q`` in the state holds one
-      buffer per bucket.
+      matrices are factored on their own, and ``p``, ``q`` in the state hold one
+      buffer per bucket (with two buckets or more).
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` returns the low-rank
