@@ -9,7 +9,6 @@ the form only; a transformation that cannot be handed the form keeps the one
 program.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
