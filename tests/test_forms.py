@@ -3,10 +3,9 @@
 On 8 fake CPU devices: the step builders' programs of one form hold no
 collective inside a conditional, send the formula's bytes of that form, and
 give, step after step, the bits of the program that holds every form (a
-``lax.switch`` on the count); the count is read from the state once, again
-for a state the step did not return (a restore), and a skipped step advances
-the form only; a transformation that cannot be handed the form keeps the one
-program.
+``lax.switch`` on the count), through skipped steps and restores alike (the
+count is read from the state each step); a transformation that cannot be
+handed the form keeps the one program.
 """
 
 import jax
