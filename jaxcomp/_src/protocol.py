@@ -449,12 +449,14 @@ def compressor(method: Method) -> optax.GradientTransformation:
   def init_fn(params: optax.Params):
     if not fields:
       return method.state()
-    bucket = method.layout(params)
-    values = dict(method.init(params, bucket)) if method.init else {}
     buckets = plan(params)
-    if len(buckets) > 1 and method.bucket_fields:
-      per_bucket = [method.init(params, part) for part in buckets]
-      values.update({f: tuple(v[f] for v in per_bucket) for f in method.bucket_fields})
+    # With two buckets or more, the fields sized by the bucket are made once
+    # per bucket (the others do not depend on it); else once, for the layout.
+    parts = buckets if len(buckets) > 1 and method.bucket_fields else (method.layout(params),)
+    per_part = [dict(method.init(params, part)) for part in parts] if method.init else [{}]
+    values = per_part[0]
+    if len(per_part) > 1:
+      values.update({f: tuple(v[f] for v in per_part) for f in method.bucket_fields})
     if counted:
       values["count"] = jnp.zeros([], jnp.int32)
     if _has(method.state, "residual"):

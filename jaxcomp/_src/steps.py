@@ -179,12 +179,12 @@ class FormedStep:
   """
 
   def __init__(self, build: Callable[[Optional[int]], Callable],
-               find_spec: Callable[[tuple], Optional[protocol.Spec]], state_arg: int = 1):
-    """``build(form)``: the jitted program of one form (``None``: every form);
-    ``find_spec(args)``: the spec of the one compressor with forms, or ``None``."""
+               find_spec: Callable[[tuple], Optional[protocol.Spec]]):
+    """``build(form)``: the jitted program of one form (``None``: every form),
+    called as ``(params, opt_state, batch)``; ``find_spec(args)``: the spec of
+    the one compressor with forms, or ``None``."""
     self._build = build
     self._find_spec = find_spec
-    self._state_arg = state_arg
     self._programs: dict = {}
     self._searched = False
     self._spec: Optional[protocol.Spec] = None
@@ -215,10 +215,11 @@ class FormedStep:
     # Every device holds the same count: the first's.
     return self._spec.form(int(np.asarray(found[0]).reshape(-1)[0]))
 
-  def __call__(self, *args):
+  def __call__(self, params, opt_state, batch):
+    args = (params, opt_state, batch)
     if not self._searched:
       self._spec, self._searched = self._find_spec(args), True
-    return self.program(self._form(args[self._state_arg]))(*args)
+    return self.program(self._form(opt_state))(*args)
 
 
 def formed_spec(tx: optax.GradientTransformation, params: optax.Params) -> Optional[protocol.Spec]:
