@@ -40,6 +40,8 @@ from jaxcomp._src.protocol import Found as Found
 from jaxcomp._src.protocol import announce as announce
 from jaxcomp._src.protocol import all_finite as all_finite
 from jaxcomp._src.protocol import keep_if as keep_if
+from jaxcomp._src.protocol import as_tree as as_tree
+from jaxcomp._src.protocol import from_tree as from_tree
 from jaxcomp._src.fusion import Bucket as Bucket
 from jaxcomp._src.fusion import plan as plan
 from jaxcomp._src.checks import AxisName as AxisName
@@ -56,6 +58,7 @@ __all__ = (
     "FORM",
     "all_finite",
     "announce",
+    "as_tree",
     "attach_spec",
     "AxisName",
     "Bucket",
@@ -69,6 +72,7 @@ __all__ = (
     "Context",
     "find_compressors",
     "find_specs",
+    "from_tree",
     "Found",
     "Fused",
     "keep_if",

@@ -181,6 +181,11 @@ def _gradients(step: int, devices: int):
 # ------------------------------------------------------------------ running
 
 
+# The state fields held as one flat buffer per bucket (the residual, DGC's
+# momentum): recorded leaf by leaf, as ``protocol.as_tree`` lays them out.
+FUSED_FIELDS = ("residual", "momentum")
+
+
 @dataclasses.dataclass
 class Runner:
   """One case set up: its compressor on its mesh, and a jitted update."""
@@ -193,6 +198,7 @@ class Runner:
   like: Any
   init: Any  # the per-device state of training.init_state
   devices: int
+  params: Any
 
   @classmethod
   def of(cls, case: str) -> "Runner":
@@ -207,22 +213,37 @@ class Runner:
         lambda s: jnp.zeros(s, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple))
     return cls(case, tx, mesh, axis, training.make_update(tx, mesh, axis),
                jax.eval_shape(tx.init, params), training.init_state(tx, params, mesh, axis),
-               training.num_replicas(mesh, axis))
+               training.num_replicas(mesh, axis), params)
 
   def rows(self, state) -> dict[str, np.ndarray]:
-    """A per-device state as ``{leaf path: [devices, *shape]}`` (``device_rows``)."""
+    """A per-device state as ``{leaf path: [devices, *shape]}`` (``device_rows``), its
+    fields fused by bucket (:data:`FUSED_FIELDS`) laid out like the parameters."""
     from jaxcomp import training
 
-    return _by_path(training.device_rows(state, self.like))
+    return _by_path(self._fields(training.device_rows(state, self.like), "as_tree"))
 
   def from_rows(self, rows: dict[str, np.ndarray]):
     """The per-device state (sharded as ``init_state`` shards it) of recorded rows."""
-    paths, treedef = _paths(self.init)
-    leaves = []
-    for path, ref, local in zip(paths, jax.tree.leaves(self.init), jax.tree.leaves(self.like)):
-      x = np.broadcast_to(rows[path], (self.devices,) + local.shape)
-      leaves.append(jax.device_put(x.reshape(ref.shape).astype(ref.dtype), ref.sharding))
-    return jax.tree.unflatten(treedef, leaves)
+    from jaxcomp import training
+
+    template = self._fields(training.device_rows(self.init, self.like), "as_tree")
+    paths, treedef = _paths(template)
+    leaves = [np.broadcast_to(rows[path], x.shape).astype(x.dtype)
+              for path, x in zip(paths, jax.tree.leaves(template))]
+    state_rows = self._fields(jax.tree.unflatten(treedef, leaves), "from_tree")
+    return jax.tree.map(
+        lambda x, ref: jax.device_put(np.asarray(x).reshape(ref.shape).astype(ref.dtype),
+                                      ref.sharding),
+        state_rows, self.init)
+
+  def _fields(self, state_rows, convert: str):
+    """``state_rows`` with each of :data:`FUSED_FIELDS` it holds converted by
+    ``protocol.<convert>`` (``as_tree`` or ``from_tree``)."""
+    from jaxcomp import protocol
+
+    fields = {f: getattr(protocol, convert)(self.tx, getattr(state_rows, f), self.params)
+              for f in FUSED_FIELDS if jax.tree.leaves(getattr(state_rows, f, ()))}
+    return state_rows._replace(**fields)
 
   def step(self, step: int, state) -> tuple[dict[str, np.ndarray], Any]:
     """``(mean rows by path, new per-device state)`` of one step from ``state``."""

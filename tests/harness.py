@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from jaxcomp import collectives
+from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
 
@@ -71,7 +72,7 @@ def run_two_steps(make_tx, params, mesh_shape, axis_names):
   """Two steps of ``make_tx(axis)`` on a mesh; everything the tests read, compiled once.
 
   ``states`` as the steps take them, ``rows`` the same with each device's
-  state on its own row (:func:`jaxcomp.training.device_rows`).
+  state on its own row (:func:`state_rows`).
   """
   axis = axis_of(axis_names)
   mesh = training.make_mesh(mesh_shape, axis_names)
@@ -85,9 +86,19 @@ def run_two_steps(make_tx, params, mesh_shape, axis_names):
     out, state = jax.block_until_ready(fn(g, states[-1]))
     outs.append(out)
     states.append(state)
-  like = jax.eval_shape(tx.init, params)
   return dict(tx=tx, fn=fn, mesh=mesh, axis=axis, compiled=compiled, grads=grads,
-              states=states, rows=[training.device_rows(s, like) for s in states], outs=outs)
+              states=states, rows=[state_rows(tx, s, params) for s in states], outs=outs)
+
+
+def state_rows(tx, state, params):
+  """``tx``'s per-device ``state`` with each device's on its own row
+  (:func:`jaxcomp.training.device_rows`), and the fields held flat per bucket
+  (the residual, DGC's momentum) laid out like ``params``
+  (:func:`jaxcomp.protocol.as_tree`): ``[devices, *leaf shape]`` leaves."""
+  rows = training.device_rows(state, jax.eval_shape(tx.init, params))
+  return rows._replace(**{
+      f: protocol.as_tree(tx, getattr(rows, f), params)
+      for f in ("residual", "momentum") if jax.tree.leaves(getattr(rows, f, ()))})
 
 
 def two_step_runs(factories, params, meshes):

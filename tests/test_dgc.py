@@ -200,7 +200,7 @@ def test_full_density_equals_allreduce(mesh8):
 
 def _rows(tx, state):
   """``state`` with each device's on its own row (``training.device_rows``)."""
-  return training.device_rows(state, jax.eval_shape(tx.init, params_like()))
+  return harness.state_rows(tx, state, params_like())
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -344,7 +344,7 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
   grads = {"big": jax.random.normal(jax.random.key(8), (8, 256, 256))}
   out, state = harness.step_fn(tx, mesh8)(grads, state)
   harness.assert_same_on_devices(out)
-  rows = training.device_rows(state, jax.eval_shape(tx.init, params))
+  rows = harness.state_rows(tx, state, params)
   for d in (0, 7):
     g = np.asarray(grads["big"][d]).reshape(-1)
     sent = np.asarray(rows.momentum["big"][d]).reshape(-1) == 0
@@ -356,7 +356,7 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
 def test_mismatched_updates_raise():
   tx = dgc.dgc(0.1, "data")
   state = tx.init(params_like())
-  with pytest.raises(ValueError, match="structure"):
+  with pytest.raises(ValueError, match="not shaped like the parameters"):
     tx.update({"w": jnp.zeros((16, 12))}, state)
 
 

@@ -323,11 +323,10 @@ def test_extreme_gradients_give_the_low_rank_mean(name, extreme, identical):
   """
   scale = EXTREMES[extreme]
   run = _run(name, "1d")
-  like = jax.eval_shape(run["tx"].init, PARAMS)
   state = run["states"][0]
   for step in range(3):
     grads = _extreme_gradients(10 + step, scale, identical)
-    before = training.device_rows(state, like)
+    before = harness.state_rows(run["tx"], state, PARAMS)
     out, state = jax.block_until_ready(
         run["fn"](training.shard(grads, run["mesh"], "data"), state))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)), step

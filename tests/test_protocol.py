@@ -48,7 +48,7 @@ def test_a_new_method_gets_the_whole_path_from_one_step_function():
   update = training.make_update(tx, mesh, "data")
   grads = _stacked(0)
   out, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
-  rows = training.device_rows(state, jax.eval_shape(tx.init, PARAMS))
+  rows = harness.state_rows(tx, state, PARAMS)
   for name in PARAMS:  # half of the mean, the other half kept per device
     np.testing.assert_allclose(np.asarray(out[name]),
                                np.broadcast_to(grads[name].mean(0) / 2, grads[name].shape),

@@ -10,6 +10,8 @@ from jaxcomp._src import qsgd
 from jaxcomp import training
 from jaxcomp import wire
 
+import harness
+
 LEVELS = 4
 BUCKET = 16
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 elements: a partial last bucket
@@ -51,7 +53,7 @@ def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
            "b": rng.normal(size=(8, 5)).astype(np.float32)}
   out, new_state = jax.block_until_ready(training.make_update(tx, mesh, "data")(
       training.shard(grads, mesh, "data"), state))
-  new_state = training.device_rows(new_state, jax.eval_shape(tx.init, PARAMS))
+  new_state = harness.state_rows(tx, new_state, PARAMS)
   n, block = 53, 7  # a bucket is at most a device's chunk: ceil(53 / 8) entries
   chunk = 7
   chunk_sums = np.zeros((8, chunk), np.float32)

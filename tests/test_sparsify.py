@@ -164,7 +164,7 @@ def test_topk_matches_numpy_over_two_steps(mesh8):
     assert_gathered_mean_close(harness.flat(out, 0), mean, corrected)
     for d in range(8):
       # Mass conservation, bit for bit: the residual is c where not sent, 0 where sent.
-      kept = training.device_rows(state.residual, params_like())
+      kept = harness.state_rows(tx, state, params_like()).residual
       np.testing.assert_array_equal(harness.flat(kept, d), residuals[d])
 
 
@@ -204,7 +204,7 @@ def test_gtopk_matches_butterfly_oracle(num):
     c = harness.flat(grads, d)
     expect = c.copy()
     expect[sorted(local[d] & merged)] = 0
-    kept = training.device_rows(new.residual, params_like())
+    kept = harness.state_rows(tx, new, params_like()).residual
     np.testing.assert_array_equal(harness.flat(kept, d), expect)
 
 
@@ -232,7 +232,7 @@ def test_randomk_matches_numpy_and_splits_key(mesh8):
       r = c.copy()
       r[idx] = 0
       residuals.append(r)
-    rows = training.device_rows(state, jax.eval_shape(tx.init, params_like()))
+    rows = harness.state_rows(tx, state, params_like())
     for d in range(8):
       np.testing.assert_array_equal(harness.flat(rows.residual, d), residuals[d])
     np.testing.assert_array_equal(
@@ -276,9 +276,10 @@ def test_error_feedback_tracks_running_mean(name, shape, density):
   mesh = training.make_mesh(8)
   steps = 12
   grads = device_grads(8, seed=11, shapes={"g": shape})
-  total, state = run_constant(COMPRESSORS[name](density, "data"), mesh, grads, steps)
+  tx = COMPRESSORS[name](density, "data")
+  total, state = run_constant(tx, mesh, grads, steps)
   by_device = np.stack([harness.flat(grads, d) for d in range(8)])
-  kept = training.device_rows(state.residual, jax.tree.map(lambda x: x[0], grads))
+  kept = harness.state_rows(tx, state, jax.tree.map(lambda x: x[0], grads)).residual
   residual = np.stack([harness.flat(kept, d) for d in range(8)])
   want = steps * by_device.mean(0) - residual.mean(0)
   np.testing.assert_allclose(harness.flat(total, 0), want, rtol=1e-4, atol=1e-4)

@@ -42,17 +42,20 @@ class DGCState(NamedTuple):
 
   Attributes:
     count: int32 scalar, steps taken (saturating); it drives the warm-up.
-    residual: f32 pytree shaped like the parameters: the accumulated velocity
-      ``v`` not yet sent (zero on dense leaves). It differs per device.
-    momentum: f32 pytree shaped like the parameters: the momentum ``u``, local
-      on sparse leaves (differs per device), of the mean on dense leaves.
+    residual: ``f32[n]``, the bucket of :func:`dgc`'s order (the sparse
+      leaves, then the dense ones; a tuple of one per bucket with
+      ``bucket_cap_mb``): the accumulated velocity ``v`` not yet sent (zero
+      on dense leaves). It differs per device.
+    momentum: ``f32[n]`` (or one per bucket), laid out as ``residual``: the
+      momentum ``u``, local on sparse leaves (differs per device), of the
+      mean on dense leaves.
     rng_key: uint32 raw key data for the threshold's sample, split every
       step; the same on every device (the sample needs no per-device draw).
   """
 
   count: jax.Array
-  residual: optax.Params
-  momentum: optax.Params
+  residual: Union[jax.Array, tuple]
+  momentum: Union[jax.Array, tuple]
   rng_key: jax.Array
 
 
@@ -232,15 +235,9 @@ def dgc(
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(ctx.num_devices)
       scale = jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
-    sparse = _sparse(ctx.bucket, where)
-    # Leaf by leaf, scaled on the way: slices of the fused gradient are its
-    # leaves, so no fused copy of the gradient or the momentum is made, and
-    # the protocol adds each leaf's residual before the one concatenation.
-    momenta = jax.tree.leaves(state.momentum)
-    pairs = [accumulate(momenta[i], g * scale)
-             for i, g in zip(sparse.leaves, sparse.split(gradient[:sparse.size]))]
-    dense = [g * scale for g in ctx.bucket.split(gradient)[len(sparse.leaves):]]
-    return [a for _, a in pairs] + dense, [u for u, _ in pairs]
+    n_sparse = _sparse(ctx.bucket, where).size
+    u, velocity = accumulate(state.momentum[:n_sparse], gradient[:n_sparse] * scale)
+    return fusion.concat([velocity, gradient[n_sparse:] * scale]), u
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
@@ -268,22 +265,20 @@ def dgc(
         sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
       else:
         sparse_mean, sent, check = exchange(ks[-1])
-      # What was sent leaves the velocity, and its momentum is masked, leaf by
-      # leaf: no n-sized copy to scatter into and split again.
-      sent = sparse.split(sent)
-      kept = error_feedback.zero_sent(sent, sparse.split(corrected[:sparse.size]))
-      momenta = error_feedback.zero_sent(sent, ctx.carry)
-      means = sparse.split(sparse_mean)
+      # What was sent leaves the velocity, and its momentum is masked.
+      kept.append(error_feedback.zero_sent(sent, corrected[:sparse.size]))
+      momenta.append(error_feedback.zero_sent(sent, ctx.carry))
+      means.append(sparse_mean)
       witness.append(check)
     if dense.size:
-      u, out = accumulate(dense.flatten(state.momentum), ctx.mean(corrected[sparse.size:]))
-      means += dense.split(out)
-      kept += [None] * len(dense.leaves)
-      momenta += dense.split(u)
+      u, out = accumulate(state.momentum[sparse.size:], ctx.mean(corrected[sparse.size:]))
+      means.append(out)
+      kept.append(state.residual[sparse.size:])  # sent exactly: it stays as it is
+      momenta.append(u)
       witness.append(out)
     return protocol.Output(
-        mean=means, residual=kept, witness=witness,
-        state={"momentum": error_feedback.absorb(ctx.bucket, momenta, state.momentum)})
+        mean=fusion.concat(means), residual=fusion.concat(kept), witness=witness,
+        state={"momentum": fusion.concat(momenta)})
 
   def wire_cost(bucket, sizes, steps):
     n_s = _sparse(bucket, where).size
@@ -304,7 +299,8 @@ def dgc(
                   clip_norm=clip_norm, warmup_steps=warmup_steps, sample_ratio=sample_ratio,
                   seed=seed, sparse_leaves=sparse_leaves, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=DGCState, step=step, wire=wire_cost,
-      init=lambda params, bucket: {"momentum": error_feedback.init(params)},
+      init=lambda params, bucket: {"momentum": jnp.zeros((bucket.size,), jnp.float32)},
+      bucket_fields=("momentum",),
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
       seed=seed, bucket_cap_mb=bucket_cap_mb,
       form=(lambda count: _stage(count, warmup_steps)) if warmup_steps else None))

@@ -48,7 +48,8 @@ class HierarchicalState(NamedTuple):
 
   Attributes:
     inner_state: the wrapped compressor's state for this device's shard (its
-      residual is shaped like :func:`shard_shapes` of the parameters).
+      residual is sized by the buckets of :func:`shard_shapes` of the
+      parameters).
   """
 
   inner_state: optax.OptState
@@ -240,12 +241,12 @@ def hierarchical(
         parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
       else:
         # A low-rank mean is gathered as its factors and every shard's products
-        # formed here, straight into the leaves: no n-sized concatenation of
-        # products and no n-sized all-gather.
+        # formed here (one batched product per group of equal shapes): no
+        # n-sized all-gather.
         message, out = compress(shard)
         gathered = collectives.allgather(message, fast_axis)
         means = jax.vmap(functools.partial(fused.message.decode, bucket))(gathered)
-        parts = [m.reshape(fast_size, -1) for m in means]
+        parts = _split(means, widths, axis=1)
       gathered_before = gathered
       return {i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)}, out
 

@@ -274,15 +274,13 @@ def _refill(new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(jnp.all(new == 0, axis=-1, keepdims=True), old, new)
 
 
-def _products(p_factors, q_factors) -> list[jax.Array]:
-  """``P Q^T`` of every compressed leaf, ``[rows, cols]`` each, in the order of :attr:`MatrixView.lowrank`.
+def _products(p_factors, q_factors) -> jax.Array:
+  """``P Q^T`` of every compressed leaf, flat in the bucket's order (``f32[lowrank.size]``).
 
-  One product per leaf, not per group: each is written straight into its
-  leaf of the result or of the residual, where a group's product (and their
-  concatenation) would be n-sized buffers to copy from, fresh every step.
+  One batched product per group of equal-shaped matrices (torch's
+  ``batched_powerSGD_hook``), not one per leaf: a few kernels per bucket.
   """
-  return [jnp.einsum("mr,nr->mn", p[i], q[i])
-          for p, q in zip(p_factors, q_factors) for i in range(p.shape[0])]
+  return _join([jnp.einsum("gmr,gnr->gmn", p, q) for p, q in zip(p_factors, q_factors)])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -314,10 +312,10 @@ def _view_of(bucket: fusion.Bucket, rank: int, min_compression_rate: float) -> M
   return MatrixView.of(shapes, rank, min_compression_rate)
 
 
-def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array) -> list:
-  """The mean per bucket leaf from the mean's flat ``P`` and ``Q`` buffers and the dense
-  leaves' mean: the low-rank products, then the dense leaves' slices."""
-  return _products(view.p_factors(p), view.q_factors(q)) + view.dense.split(dense_mean)
+def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array) -> jax.Array:
+  """The flat mean (``f32[bucket.size]``) from the mean's flat ``P`` and ``Q`` buffers and
+  the dense leaves' mean: the low-rank products, then the dense leaves."""
+  return jnp.concatenate([_products(view.p_factors(p), view.q_factors(q)), dense_mean])
 
 
 def _message(rank: int, min_compression_rate: float) -> protocol.Message:
@@ -335,7 +333,7 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
     view = _view_of(bucket, rank, min_compression_rate)
     return view.p_size + view.q_size + view.dense.size
 
-  def decode(bucket: fusion.Bucket, message: jax.Array) -> list:
+  def decode(bucket: fusion.Bucket, message: jax.Array) -> jax.Array:
     view = _view_of(bucket, rank, min_compression_rate)
     p, q, dense_mean = jnp.split(message, [view.p_size, view.p_size + view.q_size])
     return _mean_of(view, p, q, dense_mean)
@@ -343,11 +341,10 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _leaf_residuals(view: MatrixView, corrected: jax.Array, sent) -> list:
-  """``corrected - sent`` per compressed leaf; the dense leaves' residual stays (zero)."""
-  lowrank = corrected[:view.lowrank.size]
-  kept = [c - s.reshape(c.shape) for c, s in zip(view.lowrank.split(lowrank), sent)]
-  return kept + [None] * len(view.dense.leaves)
+def _residual(view: MatrixView, corrected: jax.Array, sent: jax.Array,
+              residual: jax.Array) -> jax.Array:
+  """``corrected - sent`` on the compressed leaves; the dense leaves' residual stays (zero)."""
+  return jnp.concatenate([corrected[:view.lowrank.size] - sent, residual[view.lowrank.size:]])
 
 
 # -------------------------------------------------------------------- PowerSGD
@@ -358,8 +355,10 @@ class PowerSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32, saturating).
-    residual: f32 pytree like the parameters, this device's error feedback
-      (zero on the leaves sent dense).
+    residual: ``f32[n]``, the gradient fused in the method's order (the
+      compressed leaves by matrix shape, then the dense ones; a tuple of one
+      per bucket with ``bucket_cap_mb``), this device's error feedback (zero
+      on the leaves sent dense).
     q: f32 flat buffer of every compressed leaf's ``Q`` factor (the reduced
       one of the last step, identical on every device), the warm start. A
       column too large for f32 (it reaches ``sqrt(rows)`` times the
@@ -373,7 +372,7 @@ class PowerSGDState(NamedTuple):
   """
 
   count: jax.Array
-  residual: optax.Params
+  residual: Union[jax.Array, tuple]
   q: Union[jax.Array, tuple[jax.Array, ...]]
   rng_key: jax.Array
 
@@ -489,7 +488,7 @@ def powersgd(
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=_leaf_residuals(view, corrected, sent),
+        residual=_residual(view, corrected, sent, state.residual),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -518,8 +517,10 @@ class ACPSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32, saturating); its parity picks the factor.
-    residual: f32 pytree like the parameters, this device's error feedback
-      (zero on the leaves sent dense).
+    residual: ``f32[n]``, the gradient fused in the method's order (the
+      compressed leaves by matrix shape, then the dense ones; a tuple of one
+      per bucket with ``bucket_cap_mb``), this device's error feedback (zero
+      on the leaves sent dense).
     p: f32 flat buffer of the orthonormal ``P`` factors of the last even
       step, identical on every device (used by the next odd step).
     q: f32 flat buffer of the orthonormal ``Q`` factors of the last odd step
@@ -530,7 +531,7 @@ class ACPSGDState(NamedTuple):
   """
 
   count: jax.Array
-  residual: optax.Params
+  residual: Union[jax.Array, tuple]
   p: Union[jax.Array, tuple[jax.Array, ...]]
   q: Union[jax.Array, tuple[jax.Array, ...]]
 
@@ -657,7 +658,7 @@ def acpsgd(
     sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
-        residual=_leaf_residuals(view, corrected, sent),
+        residual=_residual(view, corrected, sent, state.residual),
         state={"p": new_p, "q": new_q},
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]))

@@ -182,8 +182,9 @@ class Output(NamedTuple):
     mean: the decoded mean, ``f32[bucket.size]`` in the bucket's order, or
       one array per bucket leaf (any shape of the leaf's size).
     residual: what stays behind: ``f32[bucket.size]``, or one array per
-      bucket leaf (``None`` for a leaf whose residual stays as it is), or
-      :class:`Zeroed` for a sparsifier; ignored without error feedback.
+      bucket leaf (``None`` for a leaf whose residual stays as it is,
+      concatenated once), or :class:`Zeroed` for a sparsifier; ignored
+      without error feedback.
     state: new values of the method's own state fields, by name.
     witness: arrays that are all finite exactly when ``mean`` is (a
       low-rank method's factors, a sparsifier's gathered values), to test
@@ -211,8 +212,8 @@ class Message:
   Attributes:
     size: ``size(bucket) -> int``, the message's length in f32 elements.
     decode: ``decode(bucket, message) -> mean``: ``f32[size(bucket)]`` to
-      the mean, as :attr:`Output.mean` (flat, or one array per bucket
-      leaf), the same bits as the step's ``mean``.
+      the flat mean, ``f32[bucket.size]``, the same bits as the step's
+      ``mean``.
   """
 
   size: Callable[[fusion.Bucket], int]
@@ -320,12 +321,13 @@ class Method:
       :mod:`jaxcomp.wire` helpers, which label each transfer with its axes).
     init: ``init(params, bucket) -> dict`` of the method's own fields.
     layout: ``layout(tree) -> Bucket``: which leaves, in which order.
-    error_feedback: keep a per-device residual (``state.residual``).
-    prepare: ``prepare(ctx, g, state) -> (parts, carry)`` on the fused
+    error_feedback: keep a per-device residual (``state.residual``: one
+      flat ``f32[bucket.size]`` per bucket, in the bucket's order, a tuple
+      of them with two buckets or more).
+    prepare: ``prepare(ctx, g, state) -> (prepared, carry)`` on the fused
       gradient ``g`` before error feedback (DGC's clipping and momentum
-      correction); ``parts``: one f32 array per bucket leaf (any shape of the
-      leaf's size), to which each leaf's residual is added before the one
-      concatenation.
+      correction); ``prepared``: ``f32[bucket.size]``, to which the residual
+      is added.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
       keeps itself.
@@ -443,6 +445,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
   if keyed and not _has(method.state, "rng_key"):
     raise ValueError(f"method {method.name!r} has a seed but no `rng_key` field")
 
+  # The fields sized by the bucket: the residual and the method's own.
+  sized = (("residual",) if method.error_feedback else ()) + tuple(method.bucket_fields)
+
   def plan(tree: chex.ArrayTree) -> tuple[fusion.Bucket, ...]:
     return fusion.plan(method.layout(tree), method.bucket_cap_mb)
 
@@ -452,15 +457,18 @@ def compressor(method: Method) -> optax.GradientTransformation:
     buckets = plan(params)
     # With two buckets or more, the fields sized by the bucket are made once
     # per bucket (the others do not depend on it); else once, for the layout.
-    parts = buckets if len(buckets) > 1 and method.bucket_fields else (method.layout(params),)
-    per_part = [dict(method.init(params, part)) for part in parts] if method.init else [{}]
+    parts = buckets if len(buckets) > 1 and sized else (method.layout(params),)
+    per_part = [dict(method.init(params, part)) if method.init else {} for part in parts]
+    if method.error_feedback:
+      for values, part in zip(per_part, parts):
+        values["residual"] = error_feedback.init(part)
     values = per_part[0]
     if len(per_part) > 1:
-      values.update({f: tuple(v[f] for v in per_part) for f in method.bucket_fields})
+      values.update({f: tuple(v[f] for v in per_part) for f in sized})
     if counted:
       values["count"] = jnp.zeros([], jnp.int32)
-    if _has(method.state, "residual"):
-      values["residual"] = error_feedback.init(params) if method.error_feedback else ()
+    if _has(method.state, "residual") and not method.error_feedback:
+      values["residual"] = ()
     if keyed:
       values["rng_key"] = checks.raw_key(method.seed)
     return method.state(**values)
@@ -476,15 +484,12 @@ def compressor(method: Method) -> optax.GradientTransformation:
     ctx = Context(bucket, method.axes, checks.axis_sizes(method.axes),
                   state.count if counted else None, key=key, after=after, form=form)
     if method.prepare is not None:
-      prepared, carry = method.prepare(ctx, bucket.flatten(updates), state)
+      corrected, carry = method.prepare(ctx, bucket.flatten(updates), state)
       ctx = dataclasses.replace(ctx, carry=carry)
-      if method.error_feedback:
-        prepared = error_feedback.add_residual(bucket, prepared, state.residual)
-      corrected = fusion.concat([p.reshape(-1) for p in prepared])
-    elif method.error_feedback:
-      corrected = error_feedback.compensate(bucket, updates, state.residual)
     else:
       corrected = bucket.flatten(updates)
+    if method.error_feedback:
+      corrected = corrected + state.residual
     if not (method.propagates_nonfinite or method.linear_payload):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
@@ -495,12 +500,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     if method.error_feedback:
       kept = out.residual
       if isinstance(kept, Zeroed):
-        # Recomputed leaf by leaf from the leaves (the same sums as ``corrected``):
-        # a slice of the fused ``corrected`` reshaped into a leaf blocks XLA's
-        # in-place update of the residual.
-        leaves = (error_feedback.compensated_leaves(bucket, updates, state.residual)
-                  if method.prepare is None else bucket.split(corrected))
-        kept = error_feedback.zeroed(bucket, leaves, kept.indices)
+        kept = error_feedback.zeroed(corrected, kept.indices)
       written["residual"] = error_feedback.absorb(bucket, kept, state.residual)
     if method.propagates_nonfinite:
       return out, written, None
@@ -532,7 +532,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       new["rng_key"] = jax.random.key_data(next_key)
     # One bucket is the unbucketed path: the same state layout and bits.
     split = len(buckets) > 1
-    own = {f: [] for f in (method.bucket_fields if split else ())}
+    own = {f: [] for f in (sized if split else ())}
     threaded, results, oks, after = state, [], [], None
     form = step_form(state, form)
     for index, bucket in enumerate(buckets):
@@ -562,10 +562,11 @@ def compressor(method: Method) -> optax.GradientTransformation:
     return results, new_state, jnp.all(jnp.stack(oks)) if len(oks) > 1 else oks[0]
 
   def checked_buckets(updates: chex.ArrayTree, state) -> tuple[fusion.Bucket, ...]:
+    buckets = plan(updates)
     if method.error_feedback:
-      error_feedback.check_matches(updates, state.residual)
+      error_feedback.check_matches(buckets, state.residual)
     checks.axis_sizes(method.axes)  # an unknown axis is named even when nothing is sent
-    return plan(updates)
+    return buckets
 
   def fused_update(like: chex.ArrayTree, state, exchange: Callable, compact: bool = False,
                    form: Optional[int] = None):
@@ -575,10 +576,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
     def each(index, bucket, after, compress):
       def flat_in(flat):
-        # Through the leaves (slices of ``flat``): the same program as
-        # ``update``'s, so the same bits, and XLA fuses each residual's sum into
-        # its leaf's first read, where a sum with the concatenated residual is
-        # a pass of its own.
+        # Through the leaves (slices of ``flat``, rounded to their dtypes): the
+        # same program as ``update``'s, so the same bits.
         out = compress(bucket.unflatten(flat, like=like))
         if compact:
           return out.message, out
@@ -621,6 +620,71 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
   attach_spec(update_fn, spec_)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def as_tree(tx: Any, value: Any, params: optax.Params) -> optax.Params:
+  """A compressor's state field sized by its buckets, as f32 leaves shaped like ``params``.
+
+  The residual (and DGC's momentum) is one flat ``f32[bucket.size]`` per
+  bucket, in the bucket's order (the method's layout), so that the hot path
+  reads and writes it in one kernel; this lays it out as the parameters
+  are, to look at or to compare leaf by leaf.
+
+  Args:
+    tx: the compressor whose state holds ``value``.
+    value: the field: ``f32[..., n]`` for one bucket, a tuple of one per
+      bucket for several; leading axes (``training.device_rows``' device
+      axis) are kept.
+    params: the parameters (or their shapes) the state was made for.
+
+  Returns:
+    A tree like ``params`` of f32 arrays, each shaped ``leading + leaf
+    shape``; a leaf in no bucket (``float0``, zero-size) is zero.
+
+  Raises:
+    TypeError: ``tx`` is not a compressor with buckets of its own (a wrapper).
+  """
+  buckets = _own_plan(tx, params)
+  flats = value if len(buckets) > 1 else (value,)
+  lead = tuple(jnp.shape(flats[0])[:-1])
+  placed = {}
+  for bucket, flat in zip(buckets, flats):
+    for i, o, n, s in zip(bucket.leaves, bucket.offsets, bucket.sizes, bucket.shapes):
+      placed[i] = jnp.asarray(flat)[..., o:o + n].reshape(lead + s)
+  zeros = jax.tree.map(lambda p: jnp.zeros(lead + tuple(jnp.shape(p)), jnp.float32), params)
+  return fusion.scatter_leaves(zeros, placed)
+
+
+def from_tree(tx: Any, tree: optax.Params, params: optax.Params) -> Any:
+  """The inverse of :func:`as_tree`: f32 leaves shaped like ``params`` as ``tx``'s flat field.
+
+  Args:
+    tx: the compressor.
+    tree: arrays shaped ``leading + leaf shape``, like ``params``.
+    params: the parameters (or their shapes) the state was made for.
+
+  Returns:
+    ``f32[..., n]`` for one bucket, a tuple of one per bucket for several.
+  """
+  buckets = _own_plan(tx, params)
+  leaves = jax.tree.leaves(tree)
+  lead = ()
+  if buckets[0].leaves:  # the leading axes: those the first fused leaf has before its shape
+    first = jnp.shape(leaves[buckets[0].leaves[0]])
+    lead = first[:len(first) - len(buckets[0].shapes[0])]
+  flats = tuple(
+      jnp.concatenate([jnp.asarray(leaves[i], jnp.float32).reshape(lead + (-1,))
+                       for i in bucket.leaves], axis=-1) if bucket.leaves
+      else jnp.zeros(lead + (0,), jnp.float32)
+      for bucket in buckets)
+  return flats if len(buckets) > 1 else flats[0]
+
+
+def _own_plan(tx: Any, params: optax.Params) -> tuple[fusion.Bucket, ...]:
+  spec_ = spec(tx)
+  if spec_ is None or spec_.fused is None:
+    raise TypeError(f"`tx` must be a jaxcomp compressor, got {type(tx).__name__}")
+  return spec_.fused.plan(params)
 
 
 def attach_spec(update_fn: Callable, spec_: Spec) -> None:

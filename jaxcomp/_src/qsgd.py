@@ -20,7 +20,8 @@ class QSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32, saturating).
-    residual: with error feedback, an f32 pytree like the parameters, this
+    residual: with error feedback, ``f32[n]``, the gradient's leaves fused
+      in tree order (a tuple of one per bucket with ``bucket_cap_mb``), this
       device's ``corrected - quantized``; without it, ``()``.
     rng_key: uint32 raw key data, split every step, the same on every device;
       each device folds its index into the step's draw, so the rounding noise
@@ -28,7 +29,7 @@ class QSGDState(NamedTuple):
   """
 
   count: jax.Array
-  residual: Union[optax.Params, tuple]
+  residual: Union[jax.Array, tuple]
   rng_key: jax.Array
 
 

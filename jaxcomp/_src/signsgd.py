@@ -48,12 +48,13 @@ class SignSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32, saturating).
-    residual: with error feedback, an f32 pytree like the parameters, this
+    residual: with error feedback, ``f32[n]``, the gradient's leaves fused
+      in tree order (a tuple of one per bucket with ``bucket_cap_mb``), this
       device's error ``corrected - scale * sign``; without it, ``()``.
   """
 
   count: jax.Array
-  residual: Union[optax.Params, tuple]
+  residual: Union[jax.Array, tuple]
 
 
 def signsgd(

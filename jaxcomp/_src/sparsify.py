@@ -9,7 +9,7 @@ What is not sent stays in the residual (error feedback, on the shared path).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +29,13 @@ class TopKState(NamedTuple):
 
   Attributes:
     count: int32 scalar, steps taken (saturating).
-    residual: f32 pytree shaped like the parameters, this device's error
+    residual: ``f32[n]``, the gradient's leaves fused in tree order (a
+      tuple of one per bucket with ``bucket_cap_mb``), this device's error
       feedback; ``()`` when ``error_feedback=False``.
   """
 
   count: jax.Array
-  residual: optax.Params
+  residual: Union[jax.Array, tuple]
 
 
 class GTopKState(NamedTuple):
@@ -42,12 +43,13 @@ class GTopKState(NamedTuple):
 
   Attributes:
     count: int32 scalar, steps taken (saturating).
-    residual: f32 pytree shaped like the parameters, this device's error
+    residual: ``f32[n]``, the gradient's leaves fused in tree order (a
+      tuple of one per bucket with ``bucket_cap_mb``), this device's error
       feedback (it differs per device).
   """
 
   count: jax.Array
-  residual: optax.Params
+  residual: Union[jax.Array, tuple]
 
 
 class RandomKState(NamedTuple):
@@ -55,13 +57,14 @@ class RandomKState(NamedTuple):
 
   Attributes:
     count: int32 scalar, steps taken (saturating).
-    residual: f32 pytree shaped like the parameters, this device's error
+    residual: ``f32[n]``, the gradient's leaves fused in tree order (a
+      tuple of one per bucket with ``bucket_cap_mb``), this device's error
       feedback (it differs per device).
     rng_key: uint32 raw key data, split every step; the same on every device.
   """
 
   count: jax.Array
-  residual: optax.Params
+  residual: Union[jax.Array, tuple]
   rng_key: jax.Array
 
 
