@@ -361,6 +361,65 @@ def test_two_level_flags_are_checked(flags, message, capsys):
   assert message in capsys.readouterr().err
 
 
+# ------------------------------------------------------------- pipelined rows
+
+
+def test_pipelined_flags():
+  args = launcher.parse_args(["--pipelined"])
+  assert args.methods == list(workload.PIPELINED_ROWS)
+  assert args.out == launcher.DEFAULT_PIPELINED_OUT
+  assert workload.config("gtopk_buckets") == {**workload.config("gtopk"), "bucket_cap_mb": 25.0}
+  assert workload.jax_method("acpsgd_buckets") == "acpsgd"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pipelined", "--two-level"], "--pipelined runs on one level"),
+    (["--pipelined", "--methods", "topk"], "unknown ['topk']"),
+])
+def test_pipelined_flags_are_checked(flags, message, capsys):
+  with pytest.raises(SystemExit):
+    launcher.parse_args(flags)
+  assert message in capsys.readouterr().err
+
+
+def test_the_chain_loss_chains_every_layer_to_the_next():
+  """Each layer's output scales the next one's: the first leaf's gradient depends on
+  the later leaves (the backward pass reaches it last), the last leaf's on the first
+  layer's input."""
+  shapes = {"a": jax.ShapeDtypeStruct((4, 3), np.float32),
+            "b": jax.ShapeDtypeStruct((3,), np.float32)}
+  params = {"a": np.ones((4, 3), np.float32), "b": np.full((3,), 0.5, np.float32)}
+  batch = workload.chain_batch(shapes, jax.random.key(0), batch=2)
+  assert jax.tree.map(np.shape, batch) == {"a": (2, 4), "b": (2, 1)}
+  grads = jax.grad(workload.chain_loss)(params, batch)
+  moved = {"a": batch["a"] * 3, "b": batch["b"]}
+  again = jax.grad(workload.chain_loss)(params, moved)
+  assert not np.allclose(grads["a"], again["a"]) and not np.allclose(grads["b"], again["b"])
+  changed_b = {"a": params["a"], "b": params["b"] * 2}
+  assert not np.allclose(jax.grad(workload.chain_loss)(changed_b, batch)["a"], grads["a"])
+
+
+def test_loopback_pipelined_rows_time_the_training_step(tmp_path):
+  out = tmp_path / "pipelined.json"
+  done = _bench(tmp_path, "--no-netns", "--pipelined", "--processes", "2", "--methods",
+                "allreduce_buckets,acpsgd", "--size", "4096", "--steps", "2", "--warmup", "1",
+                "--compute-steps", "1", "--timeout", "240", "--out", str(out))
+  assert done.returncode == 0, done.stdout + done.stderr
+  result = json.loads(out.read_text())
+  assert result["config"]["pipelined"] is True
+  buckets, acpsgd = result["runs"]
+  assert buckets["config"]["bucket_cap_mb"] == 25.0 and "bucket_cap_mb" not in acpsgd["config"]
+  for row in result["runs"]:
+    _check_row(row, 2)
+    assert len(row["train_step_times_s"]) == 2
+    assert row["serial_s"] == row["train_compute_s"] + max(row["exchange_s"], 0.0)
+    assert row["hidden_s"] == row["serial_s"] - row["train_step_s"]
+  table = out.with_suffix(".md").read_text()
+  assert "## Pipelined: a whole training step" in table
+  assert "| loopback | allreduce_buckets | 25 MiB |" in table
+  assert "| loopback | acpsgd | one |" in table
+
+
 # ------------------------------------------------------------- the torch peer
 
 

@@ -40,6 +40,7 @@ from experiments.netbench import workload
 
 REPO_ROOT = network_lib.REPO_ROOT
 DEFAULT_OUT = os.path.join("experiments", "results", "netbench.json")
+DEFAULT_PIPELINED_OUT = os.path.join("experiments", "results", "netbench_pipelined.json")
 DEFAULT_TWO_LEVEL_OUT = os.path.join("experiments", "results", "netbench_two_level.json")
 _BASE_PORT = 29500
 _GRACE_S = 20.0
@@ -73,7 +74,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument(
       "--methods", default="all",
       help=f"comma-separated methods, or 'all': {', '.join(workload.method_names())};"
-           f" with --two-level: {', '.join(workload.TWO_LEVEL_ROWS)}")
+           f" with --two-level: {', '.join(workload.TWO_LEVEL_ROWS)}; with --pipelined:"
+           f" {', '.join(workload.PIPELINED_ROWS)}")
+  parser.add_argument(
+      "--pipelined", action="store_true",
+      help="also time a whole training step (forward, backward, exchange, SGD) of a chain"
+           " of layers shaped like the gradient, each method in one bucket and in"
+           f" {workload.PIPELINED_CAP_MB:g} MiB buckets (the _buckets rows), against its"
+           " compute alone plus the exchange of the update alone: was the exchange hidden?")
   parser.add_argument(
       "--two-level", action="store_true",
       help="nodes of --local-size processes: a mesh (node, local), the links inside a"
@@ -98,7 +106,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help="instead of --model, a small stand-in of about this many floats")
   parser.add_argument("--out", default=None,
                       help="the JSON; the markdown table (.md) and the plot (.png) go beside it"
-                           f" (default {DEFAULT_OUT}, with --two-level {DEFAULT_TWO_LEVEL_OUT})")
+                           f" (default {DEFAULT_OUT}, with --two-level {DEFAULT_TWO_LEVEL_OUT},"
+                           f" with --pipelined {DEFAULT_PIPELINED_OUT})")
   parser.add_argument("--no-netns", action="store_true",
                       help="run over loopback without shaping even as root")
   parser.add_argument("--latency-us", type=float, default=0.0,
@@ -114,7 +123,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--no-report", action="store_true",
                       help="write the JSON only (no markdown, no plot)")
   args = parser.parse_args(argv)
-  names = list(workload.TWO_LEVEL_ROWS) if args.two_level else workload.method_names()
+  if args.two_level and args.pipelined:
+    parser.error("--pipelined runs on one level: drop --two-level")
+  names = (list(workload.TWO_LEVEL_ROWS) if args.two_level else
+           list(workload.PIPELINED_ROWS) if args.pipelined else workload.method_names())
   args.methods = names if args.methods == "all" else [m for m in args.methods.split(",") if m]
   unknown = [m for m in args.methods if m not in names]
   if unknown:
@@ -129,7 +141,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.error(f"--two-level: --local-size {args.local_size} must split --processes"
                  f" {args.processes} into at least two nodes")
   if args.out is None:
-    args.out = DEFAULT_TWO_LEVEL_OUT if args.two_level else DEFAULT_OUT
+    args.out = (DEFAULT_TWO_LEVEL_OUT if args.two_level else
+                DEFAULT_PIPELINED_OUT if args.pipelined else DEFAULT_OUT)
   if args.steps < 1 or args.warmup < 0 or args.compute_steps < 1:
     parser.error("--steps and --compute-steps must be >= 1, --warmup >= 0")
   if args.size is not None and args.size < 256:
@@ -291,6 +304,7 @@ class Bench:
             "method": method,
             "config": rows[0]["config"],
             "mesh_shape": self.mesh_shape,
+            "pipelined": args.pipelined,
             "launcher_pid": os.getpid(),
             "uplinks": uplinks if host == 0 else [],
             "process_id": host,
@@ -398,6 +412,8 @@ class Bench:
     compute_s, _ = _median_of_max([r["compute_times_s"] for r in finals])
     row["compute_s"] = compute_s
     row["exchange_s"] = step_s - compute_s
+    if "train_step_times_s" in phase[0]:
+      self._fill_training(row, phase, finals)
     if row["bandwidth_gbit"] is not None:
       from jaxcomp import costmodel
       latency = self.network.get("model_latency_us", 0.0)
@@ -405,6 +421,21 @@ class Bench:
           tx, self.shapes, args.processes, row["bandwidth_gbit"], latency,
           compute_s=compute_s)
       row["predicted_over_measured"] = row["predicted_step_s"] / step_s
+
+  def _fill_training(self, row: dict, phase: list[dict], finals: list[dict]) -> None:
+    """A pipelined row's training step against its compute alone plus the update's exchange.
+
+    ``hidden_s``: how much shorter the step is than its compute (forward,
+    backward, compression, SGD on one device) plus the exchange the update
+    alone spends over the network (``exchange_s``); above zero, part of the
+    exchange ran while the step computed.
+    """
+    row["train_step_s"], row["train_step_times_s"] = _median_of_max(
+        [r["train_step_times_s"] for r in phase])
+    row["train_compute_s"], _ = _median_of_max([r["train_compute_times_s"] for r in finals])
+    serial = row["train_compute_s"] + max(row["exchange_s"], 0.0)
+    row["serial_s"] = serial
+    row["hidden_s"] = serial - row["train_step_s"]
 
   def _fill_links(self, row: dict, phase: list[dict], first: dict) -> None:
     """Two levels: bytes by axes of the program, and per link of program, formula, counters."""
@@ -440,6 +471,7 @@ class Bench:
         "mesh_shape": self.mesh_shape,
         "bandwidths_gbit": args.bandwidths if self.net else [],
         "methods": args.methods,
+        "pipelined": args.pipelined,
         "steps": args.steps,
         "warmup": args.warmup,
         "compute_steps": args.compute_steps,

@@ -171,9 +171,12 @@ def one_line(row: dict) -> str:
             f" between nodes {_mb(counters.get('slow'))} MB, inside"
             f" {_mb(counters.get('fast'))} MB (counters)")
   pred = row.get("predicted_step_s")
+  training = (f"; training step {_ms(row['train_step_s'])} ms, its compute"
+              f" {_ms(row['train_compute_s'])} ms, hidden {_ms(row['hidden_s'])} ms"
+              if "train_step_s" in row else "")
   return (f"step {_ms(row['step_time_s'])} ms, compute {_ms(row['compute_s'])} ms,"
           f" HLO {_mb(row['comm_bytes'])} MB, interface {_mb(row['interface_bytes'])} MB,"
-          f" predicted {_ms(pred) or '-'} ms")
+          f" predicted {_ms(pred) or '-'} ms{training}")
 
 
 def markdown(result: dict) -> str:
@@ -226,6 +229,8 @@ def markdown(result: dict) -> str:
         f" | {_ms(row['exchange_s'])} | {_mb(row['comm_bytes'])} | {_mb(row['interface_bytes'])}"
         f" | {_ms(row.get('predicted_step_s'))} | {'' if ratio is None else f'{ratio:.2f}'}"
         f" | {speedup} | {row['outputs_identical']} |")
+  if config.get("pipelined"):
+    lines += pipelined_table(result["runs"])
   failures = [r for r in result["runs"] if r["status"] not in ("ok",)]
   if failures:
     lines += ["", "Rows that did not run:", ""]
@@ -248,6 +253,34 @@ def markdown(result: dict) -> str:
         lines.append(f"- {name}: {'met' if goal['met'] else 'NOT met'}; outside:"
                      f" {', '.join(goal['outside']) or 'none'}")
   return "\n".join(lines) + "\n"
+
+
+def pipelined_table(runs: list[dict]) -> list[str]:
+  """The pipelined rows: a whole training step against its compute plus the exchange."""
+  lines = [
+      "", "## Pipelined: a whole training step", "",
+      "Training step: forward, backward, exchange and SGD of a chain of layers shaped like"
+      " the gradient (`workload.chain_loss`), median of the slowest worker. Its compute:"
+      " the same step on one device, all workers at once. Exchange: the update alone's"
+      " step minus its compute (the table above). Hidden: compute + exchange - training"
+      " step; above zero, part of the exchange ran while the step computed (XLA"
+      " overlapped it with the backward pass).",
+      "",
+      "| Gbit/s | method | buckets | training step ms | its compute ms | exchange ms"
+      " | compute + exchange ms | hidden ms | step / (compute + exchange) |",
+      "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for row in runs:
+    if row["status"] != "ok" or "train_step_s" not in row:
+      continue
+    bandwidth = "loopback" if row["bandwidth_gbit"] is None else f"{row['bandwidth_gbit']:g}"
+    cap = row["config"].get("bucket_cap_mb")
+    lines.append(
+        f"| {bandwidth} | {row['method']} | {'one' if cap is None else f'{cap:g} MiB'}"
+        f" | {_ms(row['train_step_s'])} | {_ms(row['train_compute_s'])}"
+        f" | {_ms(row['exchange_s'])} | {_ms(row['serial_s'])} | {_ms(row['hidden_s'])}"
+        f" | {row['train_step_s'] / row['serial_s']:.2f} |")
+  return lines
 
 
 def _speedup(rows: dict, row: dict, over: str) -> str:

@@ -18,6 +18,13 @@ compression compute. ``SPEC["out"]`` gets the compute times, the bytes of the
 compiled step (:func:`jaxcomp.wire.collective_bytes`) and a digest of the
 result (equal on every worker when the output is bitwise identical).
 
+Pipelined (``SPEC["pipelined"]``): beside the update alone, each phase also
+times a whole training step (:func:`jaxcomp.training.make_step` of
+:func:`workload.chain_loss`, the compressor chained with SGD): forward,
+backward, exchange and update, where a bucket's exchange may start while the
+backward pass makes the earlier layers' gradients; its compute is timed
+alone as the update's is.
+
 Two levels (``SPEC["mesh_shape"]``, see :mod:`.workload`): the mesh is
 ``(nodes, L)`` over every process's device; there is no compute on one
 device alone (:func:`jaxcomp.hierarchical` needs its fast axis), the
@@ -43,6 +50,7 @@ jax.config.update("jax_num_cpu_devices", 1)
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from experiments import shapes as shapes_lib  # noqa: E402
 from experiments.netbench import workload  # noqa: E402
@@ -73,6 +81,47 @@ def _global(blocks, mesh):
         (count * x.shape[0],) + x.shape[1:], sharding, [jax.device_put(x, device)])
 
   return jax.tree.map(one, blocks)
+
+
+def _replicated(tree, mesh):
+  """Global arrays replicated over ``mesh``, each process giving its own (equal) copy."""
+  sharding = NamedSharding(mesh, PartitionSpec())
+  device = jax.local_devices()[0]
+  return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+      x.shape, sharding, [jax.device_put(x, device)]), tree)
+
+
+# Untimed steps that compile every form of a pipelined row's step (ACP-SGD
+# alternates two programs; the other rows have one).
+_FORMS = 2
+
+
+class Training:
+  """The pipelined row's whole training step on ``mesh``: its program and its inputs."""
+
+  def __init__(self, tx, shapes, seed: int, host: int, mesh, axes):
+    self.tx = optax.chain(tx, optax.sgd(1e-3))
+    self.params = shapes_lib.normal(shapes, jax.random.key(seed + 1))  # the same everywhere
+    self.batch = workload.chain_batch(shapes, jax.random.fold_in(jax.random.key(seed + 2), host))
+    self.mesh, self.axes = mesh, axes
+    self.step = training.make_step(workload.chain_loss, self.tx, mesh, axes)
+
+  def inputs(self):
+    """Fresh ``(params, opt_state, batch)``: the step donates its parameters and state."""
+    return (_replicated(self.params, self.mesh),
+            _per_device(self.tx.init(self.params), self.mesh),
+            _global(self.batch, self.mesh))
+
+  def timed(self, barrier, count, inputs):
+    """``count`` steps, each after a line-up: their seconds and the inputs to go on with."""
+    params, state, batch = inputs
+    times = []
+    for _ in range(count):
+      barrier()
+      start = time.perf_counter()
+      params, state, _ = jax.block_until_ready(self.step(params, state, batch))
+      times.append(time.perf_counter() - start)
+    return times, (params, state, batch)
 
 
 def _timed(step, grads, state, barrier, count):
@@ -119,6 +168,8 @@ def run(spec: dict) -> dict:
   compile_s = time.perf_counter() - start
   counted = wire.collective_bytes(step, mesh_shape=mesh_shape)
   uplinks = lambda: workload.uplink_tx_bytes(spec["launcher_pid"], spec["uplinks"])
+  train = Training(tx, shapes, spec["seed"], host, mesh, AXIS) if spec["pipelined"] else None
+  train_inputs = train.inputs() if train else None
 
   for phase in range(spec["phases"]):
     workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
@@ -132,15 +183,20 @@ def run(spec: dict) -> dict:
     times, out, state = _timed(step, global_grads, state, barrier, spec["steps"])
     barrier()
     sent_after, up_after = workload.tx_bytes(spec["interface"]), uplinks()
-    workload.write_json(workload.phase_result_path(spec["sync_dir"], host, phase), {
+    results = {
         "step_times_s": times,
         "tx_bytes": None if sent_before is None else sent_after - sent_before,
         "uplink_tx_bytes": None if up_before is None else up_after - up_before,
-    })
+    }
+    if train:
+      _, train_inputs = train.timed(barrier, spec["warmup"] + _FORMS, train_inputs)
+      results["train_step_times_s"], train_inputs = train.timed(
+          barrier, spec["steps"], train_inputs)
+    workload.write_json(workload.phase_result_path(spec["sync_dir"], host, phase), results)
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(out):
     digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
-  del out, state, global_grads
+  del out, state, global_grads, train_inputs
 
   result = {
       "process": host,
@@ -153,6 +209,12 @@ def run(spec: dict) -> dict:
   }
   if spec["mesh_shape"] is None:
     result["compute_times_s"] = _compute_alone(tx, grads, barrier, spec["compute_steps"])
+  if train:
+    alone = Mesh(np.array(jax.local_devices()[:1]), (AXIS,))
+    local = Training(tx, shapes, spec["seed"], host, alone, AXIS)
+    _, inputs = local.timed(barrier, _FORMS, local.inputs())
+    result["train_compute_times_s"], _ = local.timed(barrier, spec["compute_steps"], inputs)
+    barrier()
   return result
 
 

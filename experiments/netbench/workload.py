@@ -62,6 +62,15 @@ TWO_LEVEL_ROWS = {
 _HIERARCHICAL = "hierarchical_"
 _BF16 = "_bf16"
 
+# Pipelined rows (``--pipelined``): a whole training step, the gradient made by a
+# backward pass, exchanged in one bucket or in torch DDP's 25 MiB buckets.
+PIPELINED_METHODS = ("allreduce", "gtopk", "powersgd", "acpsgd")
+_BUCKETS = "_buckets"
+PIPELINED_CAP_MB = 25.0
+PIPELINED_ROWS = tuple(m + suffix for m in PIPELINED_METHODS for suffix in ("", _BUCKETS))
+# Samples per worker of the pipelined step's batch.
+PIPELINED_BATCH = 8
+
 _SYNTHETIC_WIDTH = 128
 
 
@@ -77,14 +86,18 @@ def jax_method(method: str) -> str:
   """The jaxcomp method a row is built (or priced) as (for two levels: the one inside)."""
   if method.startswith(_HIERARCHICAL):
     return method[len(_HIERARCHICAL):].removesuffix(_BF16)
+  if method.endswith(_BUCKETS):
+    return method[:-len(_BUCKETS)]
   if method.startswith("allreduce_"):
     return "allreduce"
   return TORCH_TWINS.get(method, method)
 
 
 def config(method: str) -> dict:
-  """The configuration a row runs with (the registry's defaults)."""
-  return registry.configuration(jax_method(method))
+  """The configuration a row runs with (the registry's defaults; a pipelined row's
+  ``_buckets`` twin with :data:`PIPELINED_CAP_MB` MiB buckets)."""
+  buckets = {"bucket_cap_mb": PIPELINED_CAP_MB} if method.endswith(_BUCKETS) else {}
+  return {**registry.configuration(jax_method(method)), **buckets}
 
 
 def build(method: str, mesh_shape: Optional[Mapping[str, int]] = None
@@ -130,6 +143,33 @@ def flat_ring_allreduce(axes: Sequence[str]) -> optax.GradientTransformation:
   return protocol.compressor(protocol.Method(
       name="allreduce", config={"axis_name": axes, "flat_ring": True}, axes=axes,
       state=optax.EmptyState, step=step, wire=wire_cost, propagates_nonfinite=True))
+
+
+def chain_loss(params, batch) -> jax.Array:
+  """A loss whose backward pass makes every gradient in turn, last leaf first.
+
+  The leaves are layers of a chain, in tree order: leaf ``l`` viewed as a
+  matrix ``W_l`` (``[rest, last]``; a vector as one row) multiplies its own
+  input ``x_l`` (``batch``'s leaf, ``[B, rows of W_l]``) scaled by what the
+  layer before produced, ``h_l = tanh(s_l x_l W_l)``, ``s_{l+1} = 1 +
+  mean(h_l)``; the loss is the last ``s``. So the gradient of ``W_l`` needs
+  the backward pass through every later layer, as in a network, and the
+  work is ``2 B n`` multiply-adds forward, twice that backward.
+  """
+  scale = jnp.ones([], jnp.float32)
+  for leaf, x in zip(jax.tree.leaves(params), jax.tree.leaves(batch)):
+    matrix = leaf.reshape(-1, leaf.shape[-1]) if leaf.ndim >= 2 else leaf.reshape(1, -1)
+    scale = 1.0 + jnp.mean(jnp.tanh(scale * (x @ matrix)))
+  return scale
+
+
+def chain_batch(shapes, key: jax.Array, batch: int = PIPELINED_BATCH):
+  """One worker's inputs of :func:`chain_loss`: ``[batch, rows]`` per leaf of ``shapes``."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(key, len(leaves))
+  rows = [math.prod(s.shape[:-1]) if len(s.shape) >= 2 else 1 for s in leaves]
+  return jax.tree.unflatten(treedef, [
+      jax.random.normal(k, (batch, r), jnp.float32) for k, r in zip(keys, rows)])
 
 
 def mesh_devices(devices: Sequence, mesh_shape: Mapping[str, int]) -> np.ndarray:

@@ -212,8 +212,12 @@ class FormedStep:
              if isinstance(x, spec_state)]
     if not found or isinstance(found[0], jax.core.Tracer):  # traced: every form
       return None
-    # Every device holds the same count: the first's.
-    return self._spec.form(int(np.asarray(found[0]).reshape(-1)[0]))
+    # Every device holds the same count: the first this process holds (across
+    # processes the array spans devices it cannot read).
+    count = found[0]
+    if isinstance(count, jax.Array):
+      count = count.addressable_shards[0].data
+    return self._spec.form(int(np.asarray(count).reshape(-1)[0]))
 
   def __call__(self, params, opt_state, batch):
     args = (params, opt_state, batch)
