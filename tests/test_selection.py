@@ -118,6 +118,25 @@ def test_compact_matches_nonzero(n):
   assert np.all(got[len(want):] == EMPTY)
 
 
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(m=st.integers(1, 40_000), high=st.sampled_from([1, 32]),
+                  seed=st.integers(0, 2**16))
+def test_prefix_sum_is_numpy_s_cumsum_exactly(m, high, seed):
+  """Three levels of blocks at most here, every sum below 2**24: exact."""
+  x = np.random.default_rng(seed).integers(0, high + 1, m).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(selection._prefix_sum)(x)), np.cumsum(x))
+
+
+def test_prefix_sum_past_2_24_keeps_its_order_against_smaller_counts():
+  """Sums past 2**24 may round, never below a count under 2**24 nor out of order."""
+  x = np.full(1 << 20, 32, np.int32)  # sums up to 2**25
+  got = np.asarray(jax.jit(selection._prefix_sum)(x)).astype(np.int64)
+  want = np.cumsum(x, dtype=np.int64)
+  small = want < 2**24
+  np.testing.assert_array_equal(got[small], want[small])
+  assert np.all(got[~small] >= 2**24) and np.all(np.diff(got) >= 0)
+
+
 def test_kth_largest_bits_matches_sort():
   x = np.abs(_normal(3000, 1))
   bits = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)

@@ -153,11 +153,45 @@ def _pack(x: jax.Array, threshold: jax.Array, valid=None) -> jax.Array:
   return jnp.sum(shifted, axis=1, dtype=jnp.uint32)
 
 
+# Prefix sums go up a tree of this many entries per node (see _prefix_sum).
+_SCAN_BLOCK = 32
+
+
+def _prefix_sum(x: jax.Array) -> jax.Array:
+  """Inclusive prefix sums of a non-negative int32 ``x``, in a few kernels per level.
+
+  ``x`` is cut into blocks of :data:`_SCAN_BLOCK`: one product with a
+  triangle of ones gives every block's prefix sums, the blocks' totals are
+  summed so one level up, and each block adds the total before it: about
+  four kernels per level and ``log_32(m)`` levels, where
+  ``lax.associative_scan`` makes a few kernels for each of ``log_2(m)``.
+  The products run in f32, exact while the sums stay below ``2**24``; a
+  larger sum may round but keeps its order against any integer below
+  ``2**24`` (the selections compare them with slot counts below it, and
+  discard a count above the buffer).
+  """
+  return _prefix_sum_f32(x.astype(jnp.float32)).astype(jnp.int32)
+
+
+def _prefix_sum_f32(x: jax.Array) -> jax.Array:
+  m = x.shape[0]
+  if m == 0:
+    return x
+  blocks = -(-m // _SCAN_BLOCK)
+  padded = jnp.pad(x, (0, blocks * _SCAN_BLOCK - m)).reshape(blocks, _SCAN_BLOCK)
+  triangle = jnp.triu(jnp.ones((_SCAN_BLOCK, _SCAN_BLOCK), jnp.float32))
+  within = jnp.dot(padded, triangle, precision=lax.Precision.HIGHEST)
+  if blocks > 1:
+    totals = within[:, -1]
+    within = within + (_prefix_sum_f32(totals) - totals)[:, None]
+  return within.reshape(-1)[:m]
+
+
 def _compact(x: jax.Array, threshold: jax.Array, capacity: int):
   """Indices of the entries with magnitude bits ``>= threshold``, the first ``capacity``.
 
-  One pass packs the mask into 32-bit words; a scan of the per-word counts
-  (``n / 32`` of them) gives each word's first slot; each output slot then
+  One pass packs the mask into 32-bit words; a prefix sum of the per-word counts
+  (``n / 32`` of them, :func:`_prefix_sum`) gives each word's first slot; each output slot then
   finds its word by binary search and its bit by a popcount search. No
   ``n``-sized cumsum, scatter or copy.
 
@@ -174,7 +208,7 @@ def _compact(x: jax.Array, threshold: jax.Array, capacity: int):
     parts.append(_pack(padded, threshold, jnp.arange(_WORD) < tail))
   words = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
   counts = lax.population_count(words).astype(jnp.int32)
-  ends = lax.associative_scan(jnp.add, counts)
+  ends = _prefix_sum(counts)
   total = ends[-1]
   slots = jnp.arange(capacity, dtype=jnp.int32)
   word = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), words.shape[0] - 1)
@@ -298,9 +332,9 @@ def _largest_candidates(x, index, total, k, capacity):
   above = cand_bits > cut
   # Entries equal to the cut fill what is left of k, lowest index first.
   ties = cand_bits == cut
-  tie_rank = lax.associative_scan(jnp.add, ties.astype(jnp.int32)) - 1
+  tie_rank = _prefix_sum(ties.astype(jnp.int32)) - 1
   keep = above | (ties & (tie_rank < k - jnp.sum(above)))
-  rank = lax.associative_scan(jnp.add, keep.astype(jnp.int32)) - 1
+  rank = _prefix_sum(keep.astype(jnp.int32)) - 1
   slot = jnp.where(keep, rank, capacity)
   empty = jnp.full(capacity, collectives.EMPTY_INDEX, jnp.int32)
   return (
