@@ -142,7 +142,8 @@ def _through_the_fused_path(tx, compact=False):
       del index, after  # one exchange per bucket here, in order
       mean, out = compress(bucket.flatten(updates))
       if compact:
-        mean = jax.vmap(functools.partial(fused.message.decode, bucket))(mean[None])[0]
+        decoded = jax.vmap(functools.partial(fused.message.decode, bucket))(mean[None])
+        mean = jnp.concatenate([m[0].reshape(-1) for m in decoded])
       return (bucket, mean), out
 
     results, new_state, ok = fused.update(updates, state, exchange, compact=compact)

@@ -241,12 +241,12 @@ def hierarchical(
         parts = _split(gathered.reshape(fast_size, -1), widths, axis=1)
       else:
         # A low-rank mean is gathered as its factors and every shard's products
-        # formed here (one batched product per group of equal shapes): no
-        # n-sized all-gather.
+        # formed here, read straight into the leaves: no n-sized concatenation
+        # of products and no n-sized all-gather.
         message, out = compress(shard)
         gathered = collectives.allgather(message, fast_axis)
         means = jax.vmap(functools.partial(fused.message.decode, bucket))(gathered)
-        parts = _split(means, widths, axis=1)
+        parts = [m.reshape(fast_size, -1) for m in means]
       gathered_before = gathered
       return {i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)}, out
 

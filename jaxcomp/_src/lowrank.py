@@ -274,13 +274,23 @@ def _refill(new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(jnp.all(new == 0, axis=-1, keepdims=True), old, new)
 
 
-def _products(p_factors, q_factors) -> jax.Array:
-  """``P Q^T`` of every compressed leaf, flat in the bucket's order (``f32[lowrank.size]``).
+def _products(p_factors, q_factors) -> list[jax.Array]:
+  """``P Q^T`` of every group of equal-shaped matrices, ``[count, rows, cols]`` each.
 
-  One batched product per group of equal-shaped matrices (torch's
-  ``batched_powerSGD_hook``), not one per leaf: a few kernels per bucket.
+  One batch per group (torch's ``batched_powerSGD_hook``), not one per leaf:
+  a few kernels per bucket. Written as ``rank`` elementwise products summed
+  (``rank`` is small), not a matrix product: XLA fuses it into each of its
+  readers (the leaves of the mean, the residual), so no product is stored
+  or concatenated, where a batched matrix product with a contraction of
+  ``rank`` is a slow kernel of its own.
   """
-  return _join([jnp.einsum("gmr,gnr->gmn", p, q) for p, q in zip(p_factors, q_factors)])
+  def product(p, q):
+    total = p[:, :, None, 0] * q[:, None, :, 0]
+    for j in range(1, p.shape[-1]):
+      total = total + p[:, :, None, j] * q[:, None, :, j]
+    return total
+
+  return [product(p, q) for p, q in zip(p_factors, q_factors)]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -312,10 +322,12 @@ def _view_of(bucket: fusion.Bucket, rank: int, min_compression_rate: float) -> M
   return MatrixView.of(shapes, rank, min_compression_rate)
 
 
-def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array) -> jax.Array:
-  """The flat mean (``f32[bucket.size]``) from the mean's flat ``P`` and ``Q`` buffers and
-  the dense leaves' mean: the low-rank products, then the dense leaves."""
-  return jnp.concatenate([_products(view.p_factors(p), view.q_factors(q)), dense_mean])
+def _mean_of(view: MatrixView, p: jax.Array, q: jax.Array, dense_mean: jax.Array) -> list:
+  """The mean per bucket leaf from the mean's flat ``P`` and ``Q`` buffers and the dense
+  leaves' mean: slices of the groups' products, then the dense leaves' slices."""
+  products = _products(view.p_factors(p), view.q_factors(q))
+  return [product[i] for product in products for i in range(product.shape[0])] + (
+      view.dense.split(dense_mean))
 
 
 def _message(rank: int, min_compression_rate: float) -> protocol.Message:
@@ -333,7 +345,7 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
     view = _view_of(bucket, rank, min_compression_rate)
     return view.p_size + view.q_size + view.dense.size
 
-  def decode(bucket: fusion.Bucket, message: jax.Array) -> jax.Array:
+  def decode(bucket: fusion.Bucket, message: jax.Array) -> list:
     view = _view_of(bucket, rank, min_compression_rate)
     p, q, dense_mean = jnp.split(message, [view.p_size, view.p_size + view.q_size])
     return _mean_of(view, p, q, dense_mean)
@@ -341,10 +353,13 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _residual(view: MatrixView, corrected: jax.Array, sent: jax.Array,
+def _residual(view: MatrixView, corrected: jax.Array, sent: list[jax.Array],
               residual: jax.Array) -> jax.Array:
-  """``corrected - sent`` on the compressed leaves; the dense leaves' residual stays (zero)."""
-  return jnp.concatenate([corrected[:view.lowrank.size] - sent, residual[view.lowrank.size:]])
+  """``corrected - sent`` on the compressed leaves (``sent``: the groups' products), in one
+  concatenation; the dense leaves' residual stays (zero)."""
+  matrices = view.matrices(corrected[:view.lowrank.size])
+  return jnp.concatenate([(m - s).reshape(-1) for m, s in zip(matrices, sent)]
+                         + [residual[view.lowrank.size:]])
 
 
 # -------------------------------------------------------------------- PowerSGD

@@ -212,8 +212,8 @@ class Message:
   Attributes:
     size: ``size(bucket) -> int``, the message's length in f32 elements.
     decode: ``decode(bucket, message) -> mean``: ``f32[size(bucket)]`` to
-      the flat mean, ``f32[bucket.size]``, the same bits as the step's
-      ``mean``.
+      the mean, as :attr:`Output.mean` (flat, or one array per bucket
+      leaf), the same bits as the step's ``mean``.
   """
 
   size: Callable[[fusion.Bucket], int]
