@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +218,37 @@ def test_a_seed_needs_a_key_field():
       step=lambda ctx, c, s: protocol.Output(mean=c), wire=lambda b, s, t: (), seed=0)
   with pytest.raises(ValueError, match="rng_key"):
     protocol.compressor(method)
+
+
+@pytest.mark.parametrize("cap", [None, 1e-4], ids=["one_bucket", "buckets"])
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd"])
+def test_as_tree_and_from_tree_lay_a_residual_out_like_the_parameters(name, cap):
+  """Each leaf's part of the flat residual lands on that leaf (whatever the method's
+  order: tree order, DGC's sparse leaves first, the low-rank groups), device rows kept;
+  ``from_tree`` is its inverse; a frozen leaf is zero and sent nowhere."""
+  params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,)), "c": jnp.zeros((3, 3, 2, 2)),
+            "frozen": jnp.zeros((0, 3))}
+  tx = {"topk": jaxcomp.topk(0.1, "data", bucket_cap_mb=cap),
+        "dgc": jaxcomp.dgc(0.1, "data", bucket_cap_mb=cap),
+        "powersgd": jaxcomp.powersgd(1, "data", bucket_cap_mb=cap)}[name]
+  buckets = protocol.spec(tx).fused.plan(params)
+  assert (len(buckets) > 1) == (cap is not None)
+  # Row d of leaf k holds 1000 d + k + its position: every value says where it belongs.
+  leaves, treedef = jax.tree.flatten(params)
+  tree = jax.tree.unflatten(treedef, [
+      jnp.stack([1000.0 * d + 100.0 * k + jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape)
+                 for d in range(3)]) for k, x in enumerate(leaves)])
+  flat = protocol.from_tree(tx, tree, params)
+  state = tx.init(params)
+  tree_leaves = jax.tree.leaves(tree)
+  for bucket, got, want in zip(buckets, flat if cap else (flat,),
+                               state.residual if cap else (state.residual,)):
+    assert got.shape == (3,) + want.shape
+    # The bucket's leaves end to end, in the order the method lays them out.
+    np.testing.assert_array_equal(got, np.concatenate(
+        [np.asarray(tree_leaves[i]).reshape(3, -1) for i in bucket.leaves], axis=1))
+  again = protocol.as_tree(tx, flat, params)
+  chex.assert_trees_all_equal(again, tree)
+  assert protocol.as_tree(tx, state.residual, params)["frozen"].shape == (0, 3)
+  with pytest.raises(TypeError, match="jaxcomp compressor"):
+    protocol.as_tree(optax.sgd(0.1), flat, params)
