@@ -7,7 +7,10 @@ network namespace behind a shaped link, and time one gradient exchange step
 ``jax.jit(jax.shard_map(tx.update))`` runs it, beside PyTorch DDP's comm hooks
 on the same gradient shapes. Each row holds the median step time, the bytes of
 the compiled step and of the network interface, and the cost model's
-prediction (:mod:`jaxcomp.costmodel`).
+prediction (:mod:`jaxcomp.costmodel`). ``--two-level`` runs nodes of several
+processes with shaped uplinks; ``--pipelined`` also times a whole training
+step (forward, backward, exchange, SGD) in one bucket and in 25 MiB buckets,
+against its compute plus the exchange: how much of the exchange was hidden.
 
 Run ``python -m experiments.netbench --help``. Modules: :mod:`.launcher` (the
 command), :mod:`.network` (namespaces, links, shaping, teardown),
