@@ -77,6 +77,9 @@ def test_fsdp_with_every_compressor_on_the_slow_axis(name):
   # flat residual per device of a quarter of the (padded) parameters.
   if jax.tree.leaves(getattr(state[0], "residual", ())):
     assert state[0].residual.shape == (8 * sum(x.size // 4 for x in jax.tree.leaves(shard)),)
+    rows = protocol.as_tree(registry.build(name, "dcn", **config),
+                            state[0].residual.reshape(8, -1), training.shard_shapes(params, 4))
+    assert rows["w"].shape == (8, 3, 6)
   # Both nodes hold the same row block on the same fast-axis position.
   for leaf in jax.tree.leaves(shard):
     blocks = {}

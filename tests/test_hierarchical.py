@@ -80,6 +80,10 @@ def test_state_is_sized_to_the_shard(name):
   # w (18, 12) -> (5, 12) (padded), b (10,) -> (3,), a scalar -> (1,); fused
   # into one flat residual per device, the 8 devices' one after the other.
   assert residual.shape == (8 * (9 * 8 + 5 * 12 + 3 + 1),)
+  rows = protocol.as_tree(_inner(name), residual.reshape(8, -1),
+                          training.shard_shapes(PARAMS, 4))
+  shapes = {k: v.shape for k, v in rows.items()}
+  assert shapes == {"conv": (8, 9, 8), "w": (8, 5, 12), "b": (8, 3), "s": (8, 1)}
 
 
 @pytest.mark.parametrize("name", registry.names())
