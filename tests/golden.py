@@ -181,11 +181,6 @@ def _gradients(step: int, devices: int):
 # ------------------------------------------------------------------ running
 
 
-# The state fields held as one flat buffer per bucket (the residual, DGC's
-# momentum): recorded leaf by leaf, as ``protocol.as_tree`` lays them out.
-FUSED_FIELDS = ("residual", "momentum")
-
-
 @dataclasses.dataclass
 class Runner:
   """One case set up: its compressor on its mesh, and a jitted update."""
@@ -217,7 +212,7 @@ class Runner:
 
   def rows(self, state) -> dict[str, np.ndarray]:
     """A per-device state as ``{leaf path: [devices, *shape]}`` (``device_rows``), its
-    fields fused by bucket (:data:`FUSED_FIELDS`) laid out like the parameters."""
+    fields fused by bucket (`harness.FUSED_FIELDS`) laid out like the parameters."""
     from jaxcomp import training
 
     return _by_path(self._fields(training.device_rows(state, self.like), "as_tree"))
@@ -237,13 +232,13 @@ class Runner:
         state_rows, self.init)
 
   def _fields(self, state_rows, convert: str):
-    """``state_rows`` with each of :data:`FUSED_FIELDS` it holds converted by
-    ``protocol.<convert>`` (``as_tree`` or ``from_tree``)."""
+    """``state_rows`` with its fields held flat per bucket (the residual, DGC's
+    momentum) converted by ``protocol.<convert>`` (``as_tree``: recorded leaf by
+    leaf; ``from_tree``: back)."""
+    import harness
     from jaxcomp import protocol
 
-    fields = {f: getattr(protocol, convert)(self.tx, getattr(state_rows, f), self.params)
-              for f in FUSED_FIELDS if jax.tree.leaves(getattr(state_rows, f, ()))}
-    return state_rows._replace(**fields)
+    return harness.fused_fields(self.tx, state_rows, self.params, getattr(protocol, convert))
 
   def step(self, step: int, state) -> tuple[dict[str, np.ndarray], Any]:
     """``(mean rows by path, new per-device state)`` of one step from ``state``."""

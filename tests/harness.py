@@ -95,10 +95,19 @@ def state_rows(tx, state, params):
   (:func:`jaxcomp.training.device_rows`), and the fields held flat per bucket
   (the residual, DGC's momentum) laid out like ``params``
   (:func:`jaxcomp.protocol.as_tree`): ``[devices, *leaf shape]`` leaves."""
-  rows = training.device_rows(state, jax.eval_shape(tx.init, params))
-  return rows._replace(**{
-      f: protocol.as_tree(tx, getattr(rows, f), params)
-      for f in ("residual", "momentum") if jax.tree.leaves(getattr(rows, f, ()))})
+  return fused_fields(tx, training.device_rows(state, jax.eval_shape(tx.init, params)),
+                      params, protocol.as_tree)
+
+
+# The state fields held as one flat buffer per bucket: the residual, DGC's momentum.
+FUSED_FIELDS = ("residual", "momentum")
+
+
+def fused_fields(tx, state, params, convert):
+  """``state`` with each of :data:`FUSED_FIELDS` it holds converted by ``convert(tx,
+  value, params)``: :func:`jaxcomp.protocol.as_tree` or :func:`~jaxcomp.protocol.from_tree`."""
+  return state._replace(**{f: convert(tx, getattr(state, f), params)
+                           for f in FUSED_FIELDS if jax.tree.leaves(getattr(state, f, ()))})
 
 
 def two_step_runs(factories, params, meshes):

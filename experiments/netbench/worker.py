@@ -72,23 +72,21 @@ def _per_device(state, mesh):
 
 def _global(blocks, mesh):
   """Global arrays sharded over ``mesh`` on their first dimension, this process's block given."""
-  sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
   count = mesh.devices.size
-  device = jax.local_devices()[0]
-
-  def one(x):
-    return jax.make_array_from_single_device_arrays(
-        (count * x.shape[0],) + x.shape[1:], sharding, [jax.device_put(x, device)])
-
-  return jax.tree.map(one, blocks)
+  return _assembled(blocks, NamedSharding(mesh, PartitionSpec(mesh.axis_names)),
+                    lambda x: (count * x.shape[0],) + x.shape[1:])
 
 
 def _replicated(tree, mesh):
   """Global arrays replicated over ``mesh``, each process giving its own (equal) copy."""
-  sharding = NamedSharding(mesh, PartitionSpec())
+  return _assembled(tree, NamedSharding(mesh, PartitionSpec()), lambda x: x.shape)
+
+
+def _assembled(tree, sharding, global_shape):
+  """Global arrays of ``sharding``, this process's one device holding ``tree``'s arrays."""
   device = jax.local_devices()[0]
   return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
-      x.shape, sharding, [jax.device_put(x, device)]), tree)
+      global_shape(x), sharding, [jax.device_put(x, device)]), tree)
 
 
 # Untimed steps that compile every form of a pipelined row's step (ACP-SGD
@@ -115,25 +113,31 @@ class Training:
   def timed(self, barrier, count, inputs):
     """``count`` steps, each after a line-up: their seconds and the inputs to go on with."""
     params, state, batch = inputs
-    times = []
-    for _ in range(count):
-      barrier()
-      start = time.perf_counter()
-      params, state, _ = jax.block_until_ready(self.step(params, state, batch))
-      times.append(time.perf_counter() - start)
+
+    def step(carried):
+      params, state, metrics = self.step(*carried, batch)
+      return metrics, (params, state)
+
+    times, _, (params, state) = _timed(step, (params, state), barrier, count)
     return times, (params, state, batch)
 
 
-def _timed(step, grads, state, barrier, count):
-  """``count`` steps, each after a line-up: their seconds, the last output, the state."""
+def _timed(step, state, barrier, count):
+  """``count`` steps ``step(state) -> (out, state)``, each after a line-up: their
+  seconds, the last output, the state."""
   times, out = [], None
   for _ in range(count):
     barrier()
     start = time.perf_counter()
-    out, state = step(grads, state)
+    out, state = step(state)
     jax.block_until_ready((out, state))
     times.append(time.perf_counter() - start)
   return times, out, state
+
+
+def _update(step, grads):
+  """``step(grads, state)`` as a step of the state alone (:func:`_timed`)."""
+  return lambda state: step(grads, state)
 
 
 def run(spec: dict) -> dict:
@@ -173,14 +177,14 @@ def run(spec: dict) -> dict:
 
   for phase in range(spec["phases"]):
     workload.wait_for_phase(spec["sync_dir"], phase, spec["phase_timeout_s"])
-    _, _, state = _timed(step, global_grads, state, barrier, spec["warmup"])
+    _, _, state = _timed(_update(step, global_grads), state, barrier, spec["warmup"])
     # A worker leaves a step once it has received what it needs, while what it
     # sent may still wait in its socket buffer and qdisc. Past a line-up every
     # worker has finished the steps before, so every byte they sent has
     # crossed its eth0 (and the uplinks): the counters are read there.
     barrier()
     sent_before, up_before = workload.tx_bytes(spec["interface"]), uplinks()
-    times, out, state = _timed(step, global_grads, state, barrier, spec["steps"])
+    times, out, state = _timed(_update(step, global_grads), state, barrier, spec["steps"])
     barrier()
     sent_after, up_after = workload.tx_bytes(spec["interface"]), uplinks()
     results = {
@@ -225,8 +229,9 @@ def _compute_alone(tx, grads, barrier, count: int) -> list[float]:
   local_state = _per_device(tx.init(grads), alone)
   local_step = training.make_update(tx, alone, AXIS, donate=True).lower(
       local_grads, local_state).compile()
-  _, _, local_state = _timed(local_step, local_grads, local_state, barrier, 1)
-  compute, _, _ = _timed(local_step, local_grads, local_state, barrier, count)
+  local = _update(local_step, local_grads)
+  _, _, local_state = _timed(local, local_state, barrier, 1)
+  compute, _, _ = _timed(local, local_state, barrier, count)
   barrier()
   return compute
 
