@@ -44,6 +44,7 @@ from jaxcomp._src.protocol import as_tree as as_tree
 from jaxcomp._src.protocol import from_tree as from_tree
 from jaxcomp._src.fusion import Bucket as Bucket
 from jaxcomp._src.fusion import plan as plan
+from jaxcomp._src.fusion import Pieces as Pieces
 from jaxcomp._src.checks import AxisName as AxisName
 from jaxcomp._src.checks import check_axis_name as check_axis_name
 from jaxcomp._src.checks import check_number as check_number
@@ -81,6 +82,7 @@ __all__ = (
     "Method",
     "num_selected",
     "Output",
+    "Pieces",
     "plan",
     "raw_key",
     "Spec",

@@ -150,9 +150,7 @@ def _through_the_fused_path(tx, compact=False):
         mean = jnp.concatenate([m[0].reshape(-1) for m in decoded])
       return (bucket, mean), out
 
-    results, new_state, ok = fused.update(updates, state, exchange, compact=compact)
-    if ok is not None:
-      new_state = protocol.keep_if(ok, new_state, state)
+    results, new_state, _ = fused.update(updates, state, exchange, compact=compact)
     for bucket, mean in results:
       updates = bucket.unflatten(mean, like=updates)
     return updates, new_state

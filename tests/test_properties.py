@@ -80,26 +80,35 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   values, indices = selection.select_topk(corrected, k)
   sent = collectives.densify(values, indices, bucket.size)
   # What a sparsifier keeps: the corrected gradient with the sent entries zeroed.
-  new = error_feedback.absorb(bucket, error_feedback.zeroed(corrected, indices), residual)
+  new = fusion.overwrite(residual, error_feedback.absorb(bucket, error_feedback.zeroed(corrected, indices)))
   assert new.shape == residual.shape
   np.testing.assert_array_equal(np.asarray(sent + new), np.asarray(corrected))
   assert int(jnp.sum(sent != 0)) <= k
 
 
-@hypothesis.given(tree=pytrees(dtypes=[np.float32]), keep_seed=st.integers(0, 2**16))
-def test_error_feedback_absorbs_per_leaf_and_keeps_none_leaves(tree, keep_seed):
-  """Per-leaf ``kept``: each given leaf becomes its part of the new residual, a ``None`` leaf's stays."""
+@hypothesis.given(tree=pytrees(dtypes=[np.float32]), keep_seed=st.integers(0, 2**16),
+                  keep=st.sampled_from([None, True, False]))
+def test_error_feedback_absorbs_per_leaf_and_keeps_none_leaves(tree, keep_seed, keep):
+  """Per-leaf ``kept``: each given leaf becomes its part of the new residual, a ``None`` leaf's
+  stays; a skipped step (``keep`` false) leaves every part as it was. Written in place on CPU
+  (inside a conditional) and with the choice fused into each write elsewhere: the same bits."""
   rng = np.random.default_rng(keep_seed)
   bucket = fusion.Bucket.of(tree)
   residual = jnp.asarray(rng.normal(size=bucket.size), jnp.float32)
   fresh = [jnp.asarray(rng.normal(size=n), jnp.float32) for n in bucket.sizes]
   unchanged = rng.random(len(fresh)) < 0.5
   kept = [None if same else x.reshape(s) for x, same, s in zip(fresh, unchanged, bucket.shapes)]
-  new = error_feedback.absorb(bucket, kept, residual)
-  assert new.shape == residual.shape
-  for o, n, x, same in zip(bucket.offsets, bucket.sizes, fresh, unchanged):
-    want = residual[o:o + n] if same else x
-    np.testing.assert_array_equal(np.asarray(new[o:o + n]), np.asarray(want))
+  pieces = error_feedback.absorb(bucket, kept)
+  flag = None if keep is None else jnp.asarray(keep)
+  ways = [fusion.overwrite]
+  if flag is not None:
+    ways += [fusion._written_in_branch, fusion._written_selected]
+  written = [jax.jit(lambda r, f, way=way: way(r, pieces, f))(residual, flag) for way in ways]
+  for new in written:
+    assert new.shape == residual.shape
+    for o, n, x, same in zip(bucket.offsets, bucket.sizes, fresh, unchanged):
+      want = residual[o:o + n] if same or keep is False else x
+      np.testing.assert_array_equal(np.asarray(new[o:o + n]), np.asarray(want))
 
 
 @hypothesis.settings(max_examples=8)

@@ -230,18 +230,25 @@ def dgc(
     return u, u
 
   def prepare(ctx, gradient, state):
-    """Clipping, then the momentum correction of the sparse leaves (before error feedback)."""
+    """Clipping, then the momentum correction of the sparse leaves (before error feedback).
+
+    Elementwise over the whole bucket (the head, the sparse leaves, by
+    position), so that it fuses into the addition of the residual. The
+    carry is the clipped gradient: ``step`` forms every leaf's new momentum
+    from it."""
     scale = 1.0
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(ctx.num_devices)
       scale = jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
-    n_sparse = _sparse(ctx.bucket, where).size
-    u, velocity = accumulate(state.momentum[:n_sparse], gradient[:n_sparse] * scale)
-    return fusion.concat([velocity, gradient[n_sparse:] * scale]), u
+    clipped = gradient * scale
+    _, velocity = accumulate(state.momentum, clipped)
+    return jnp.where(_in_head(ctx.bucket, where), velocity, clipped), clipped
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
-    means, kept, momenta, witness = [], [], [], []
+    means, witness = [], []
+    sent = jnp.zeros((0,), jnp.bool_)
+    dense_momentum = jnp.zeros((0,), jnp.float32)
     if sparse.size:
 
       def exchange(k):
@@ -265,20 +272,29 @@ def dgc(
         sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
       else:
         sparse_mean, sent, check = exchange(ks[-1])
-      # What was sent leaves the velocity, and its momentum is masked.
-      kept.append(error_feedback.zero_sent(sent, corrected[:sparse.size]))
-      momenta.append(error_feedback.zero_sent(sent, ctx.carry))
       means.append(sparse_mean)
       witness.append(check)
     if dense.size:
-      u, out = accumulate(state.momentum[sparse.size:], ctx.mean(corrected[sparse.size:]))
+      dense_momentum, out = accumulate(state.momentum[sparse.size:],
+                                       ctx.mean(corrected[sparse.size:]))
       means.append(out)
-      kept.append(state.residual[sparse.size:])  # sent exactly: it stays as it is
-      momenta.append(u)
       witness.append(out)
+    # Every leaf's momentum in one elementwise pass over the bucket: the
+    # sparse leaves' as in ``prepare``, with what was sent masked, then the
+    # dense leaves' (padded, not concatenated: a pad fuses into the pass).
+    momentum, _ = accumulate(state.momentum, ctx.carry)
+    momentum = jnp.where(_in_head(ctx.bucket, where),
+                         error_feedback.zero_sent(jnp.pad(sent, (0, dense.size)), momentum),
+                         jnp.pad(dense_momentum, (sparse.size, 0)))
+    # What was sent leaves the velocity. The dense leaves are sent exactly:
+    # their residual is 0 (it never holds anything), written as such in the
+    # same pass, so the residual is one elementwise write over the bucket.
     return protocol.Output(
-        mean=fusion.concat(means), residual=fusion.concat(kept), witness=witness,
-        state={"momentum": fusion.concat(momenta)})
+        mean=fusion.concat(means),
+        residual=error_feedback.zero_sent(
+            jnp.pad(sent, (0, dense.size), constant_values=True), corrected),
+        witness=witness,
+        state={"momentum": momentum})
 
   def wire_cost(bucket, sizes, steps):
     n_s = _sparse(bucket, where).size
@@ -319,6 +335,11 @@ def _sparse(bucket: fusion.Bucket, where) -> fusion.Bucket:
 def _dense(bucket: fusion.Bucket, where) -> fusion.Bucket:
   """The dense leaves of a :func:`_sparse_first` bucket (its tail)."""
   return bucket.part(len(_sparse(bucket, where).leaves), len(bucket.leaves))
+
+
+def _in_head(bucket: fusion.Bucket, where) -> jax.Array:
+  """``bool[bucket.size]``: true on the sparse leaves of a :func:`_sparse_first` bucket."""
+  return jnp.arange(bucket.size) < _sparse(bucket, where).size
 
 
 def _stage(count: jax.Array, warmup_steps: int) -> jax.Array:

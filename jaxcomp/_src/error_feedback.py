@@ -4,9 +4,11 @@ With ``c = g + e`` the corrected gradient, ``s`` what this device sent (its
 contribution, decompressed) and ``e' = c - s`` the new residual, mass is
 conserved: ``s + e' == g + e``. The residual is one flat f32 buffer per
 bucket, ``f32[bucket.size]`` in the bucket's order (the method's layout), one
-per device, so that adding it, and writing what stays behind, are one kernel
-each for the whole bucket, not one per leaf. :mod:`jaxcomp.protocol` applies
-it for every method; a method only says what stays behind.
+per device, so that adding it is one kernel for the whole bucket, and writing
+what stays behind one kernel for the bucket or for each span that changes
+(written in place, :func:`jaxcomp._src.fusion.overwrite`), not one per leaf.
+:mod:`jaxcomp.protocol` applies it for every method; a method only says what
+stays behind.
 
 Summation order, fixed and tested: leaves are raveled and concatenated in the
 bucket's order and cast to f32, ``c = flat(g) + e`` element by element,
@@ -54,25 +56,26 @@ def zeroed(corrected: jax.Array, indices: jax.Array) -> jax.Array:
   return zero_sent(sent_mask(corrected.shape[0], indices), corrected)
 
 
-Kept = Union[jax.Array, Sequence[Optional[jax.Array]]]
+Kept = Union[jax.Array, Sequence[Optional[jax.Array]], fusion.Pieces]
 
 
-def absorb(bucket: fusion.Bucket, kept: Kept, residual: jax.Array) -> jax.Array:
-  """The bucket's new residual, ``f32[bucket.size]``.
+def absorb(bucket: fusion.Bucket, kept: Kept) -> Union[jax.Array, fusion.Pieces]:
+  """The bucket's new residual: ``f32[bucket.size]``, or the :class:`jaxcomp.protocol.Pieces`
+  of it that change, written over the old residual by :func:`jaxcomp._src.fusion.overwrite`.
 
   Args:
     bucket: the fused leaves.
     kept: ``f32[bucket.size]``, what stays behind (``corrected - sent``);
       or one array per bucket leaf (any shape of the leaf's size), ``None``
       for a leaf whose residual stays as it is (one the method sends
-      exactly), concatenated once.
-    residual: the bucket's old residual, ``f32[bucket.size]``.
+      exactly); or :class:`jaxcomp.protocol.Pieces`.
   """
+  if isinstance(kept, fusion.Pieces):
+    return kept
   if not isinstance(kept, (list, tuple)):
     return kept.reshape(-1)
-  return fusion.concat([
-      residual[o:o + n] if k is None else k.reshape(-1)
-      for k, o, n in zip(kept, bucket.offsets, bucket.sizes)])
+  spans = [(o, k) for k, o in zip(kept, bucket.offsets) if k is not None]
+  return fusion.Pieces(tuple(o for o, _ in spans), tuple(k for _, k in spans))
 
 
 def check_matches(buckets: Sequence[fusion.Bucket], residual) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,58 @@ def concat(parts: list[jax.Array]) -> jax.Array:
   if not parts:
     return jnp.zeros((0,), jnp.float32)
   return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+class Pieces(NamedTuple):
+  """New values for some spans of a flat buffer, the rest left as it is.
+
+  Attributes:
+    offsets: where each span starts (static ints; spans do not overlap).
+    values: one array per span (any shape of the span's size), its new values.
+  """
+
+  offsets: tuple[int, ...]
+  values: tuple[jax.Array, ...]
+
+
+def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Array:
+  """``old`` (``f32[n]``) with ``new`` written over it where the bool scalar ``keep`` holds.
+
+  ``new``: ``f32[n]``, or :class:`Pieces`, each written by one
+  ``dynamic-update-slice`` over its span of a donated ``old`` in place: no
+  concatenation of the pieces into a new buffer, no pass to keep or drop
+  them. With ``keep``, on CPU the writes sit in a conditional (without a
+  collective): XLA:CPU writes a span in place only when the kernel reads
+  nothing else of the buffer, so a ``where`` between the new and the old
+  values there would copy the whole buffer once per piece. Elsewhere the
+  ``where`` is fused into each write (a conditional on GPU reads its
+  predicate on the host). ``None``: always written.
+  """
+  if not isinstance(new, Pieces):
+    return new if keep is None else jnp.where(keep, new, old)
+  if keep is None:
+    return _written(old, new)
+  return lax.platform_dependent(
+      old, cpu=lambda buffer: _written_in_branch(buffer, new, keep),
+      default=lambda buffer: _written_selected(buffer, new, keep))
+
+
+def _written(buffer: jax.Array, new: Pieces) -> jax.Array:
+  for offset, piece in zip(new.offsets, new.values):
+    buffer = lax.dynamic_update_slice(buffer, piece.reshape(-1), (offset,))
+  return buffer
+
+
+def _written_in_branch(buffer: jax.Array, new: Pieces, keep: jax.Array) -> jax.Array:
+  return lax.cond(keep, lambda b: _written(b, new), lambda b: b, buffer)
+
+
+def _written_selected(buffer: jax.Array, new: Pieces, keep: jax.Array) -> jax.Array:
+  for offset, piece in zip(new.offsets, new.values):
+    piece = piece.reshape(-1)
+    kept = jnp.where(keep, piece, lax.dynamic_slice(buffer, (offset,), piece.shape))
+    buffer = lax.dynamic_update_slice(buffer, kept, (offset,))
+  return buffer
 
 
 def _fusable(x) -> bool:

@@ -250,15 +250,15 @@ def hierarchical(
       gathered_before = gathered
       return {i: _unblocks(part, leaves[i]) for i, part in zip(bucket.leaves, parts)}, out
 
-    results, new_inner, ok = fused.update(like, state.inner_state, exchange,
-                                          compact=fused.message is not None,
-                                          form=extra_args.get(protocol.FORM))
-    result = fusion.scatter_leaves(updates, {i: x for r in results for i, x in r.items()})
-    if ok is not None:
+    def agree(ok):
       # Each shard's slow group decides on its own shard; a step skipped on one
       # shard is skipped on all (one int32 on the fast axis, not a test of the mean).
-      ok = lax.pmin(ok.astype(jnp.int32), fast_axis) > 0
-      new_inner = protocol.keep_if(ok, new_inner, state.inner_state)
+      return lax.pmin(ok.astype(jnp.int32), fast_axis) > 0
+
+    results, new_inner, _ = fused.update(like, state.inner_state, exchange,
+                                         compact=fused.message is not None,
+                                         form=extra_args.get(protocol.FORM), agree=agree)
+    result = fusion.scatter_leaves(updates, {i: x for r in results for i, x in r.items()})
     return result, HierarchicalState(inner_state=new_inner)
 
   protocol.attach_spec(update_fn, spec)

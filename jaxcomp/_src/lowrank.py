@@ -353,13 +353,14 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _residual(view: MatrixView, corrected: jax.Array, sent: list[jax.Array],
-              residual: jax.Array) -> jax.Array:
-  """``corrected - sent`` on the compressed leaves (``sent``: the groups' products), in one
-  concatenation; the dense leaves' residual stays (zero)."""
+def _residual(view: MatrixView, corrected: jax.Array, p_factors: list[jax.Array],
+              q_factors: list[jax.Array]) -> fusion.Pieces:
+  """``corrected - P Q^T`` on the compressed leaves (``P``, ``Q``: the groups' factors as
+  sent), one piece per group written in place; the dense leaves' residual stays (zero)."""
   matrices = view.matrices(corrected[:view.lowrank.size])
-  return jnp.concatenate([(m - s).reshape(-1) for m, s in zip(matrices, sent)]
-                         + [residual[view.lowrank.size:]])
+  offsets = itertools.accumulate((m.size for m in matrices[:-1]), initial=0)
+  return fusion.Pieces(tuple(offsets), tuple(
+      m - s for m, s in zip(matrices, _products(p_factors, q_factors))))
 
 
 # -------------------------------------------------------------------- PowerSGD
@@ -490,7 +491,6 @@ def powersgd(
                for m, p, h in zip(matrices, p_hat, p_room)]
     q_mean = ctx.mean(_join(local_q))
     p_beside = [p * h for p, h in zip(p_hat, p_room)]
-    sent = _products(p_beside, local_q)
     # The state holds the reduced Q itself where its column fits in f32, and the
     # column as sent where it does not (the warm start reads its direction only).
     kept = []
@@ -503,7 +503,7 @@ def powersgd(
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=_residual(view, corrected, sent, state.residual),
+        residual=_residual(view, corrected, p_beside, local_q),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -670,10 +670,9 @@ def acpsgd(
     ortho = _orthonormalize(_refill(fresh, old))
     new_p = jnp.where(even, view.uncolumns(ortho, "p"), state.p)
     new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
-    sent = _products(view.p_factors(p_sent), view.q_factors(q_sent))
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
-        residual=_residual(view, corrected, sent, state.residual),
+        residual=_residual(view, corrected, view.p_factors(p_sent), view.q_factors(q_sent)),
         state={"p": new_p, "q": new_q},
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]))

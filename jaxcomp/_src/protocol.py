@@ -181,11 +181,13 @@ class Output(NamedTuple):
   Attributes:
     mean: the decoded mean, ``f32[bucket.size]`` in the bucket's order, or
       one array per bucket leaf (any shape of the leaf's size).
-    residual: what stays behind: ``f32[bucket.size]``, or one array per
-      bucket leaf (``None`` for a leaf whose residual stays as it is,
-      concatenated once), or :class:`Zeroed` for a sparsifier; ignored
-      without error feedback.
-    state: new values of the method's own state fields, by name.
+    residual: what stays behind: ``f32[bucket.size]``; or one array per
+      bucket leaf (``None`` for a leaf whose residual stays as it is); or
+      :class:`jaxcomp.protocol.Pieces`, the spans that change, written over
+      the old residual in place; or :class:`Zeroed` for a sparsifier;
+      ignored without error feedback.
+    state: new values of the method's own state fields, by name (a field
+      sized by the bucket may be given as :class:`jaxcomp.protocol.Pieces`).
     witness: arrays that are all finite exactly when ``mean`` is (a
       low-rank method's factors, a sparsifier's gathered values), to test
       instead of the n-sized mean;
@@ -267,8 +269,8 @@ class Fused:
       ``jax.ShapeDtypeStruct``.
     plan: ``plan(tree) -> tuple[Bucket, ...]``: that bucket cut into the
       buckets it exchanges, in order (one without ``bucket_cap_mb``).
-    update: ``update(like, state, exchange, compact=False, form=None) ->
-      (results, new_state, ok)``, inside ``shard_map`` over the compressor's
+    update: ``update(like, state, exchange, compact=False, form=None,
+      agree=None) -> (results, new_state, ok)``, inside ``shard_map`` over the compressor's
       axes; ``form`` as ``update``'s ``compressor_form`` (:data:`FORM`).
       ``like``: the leaves' shapes and dtypes (arrays or
       ``jax.ShapeDtypeStruct``), shaped like the state's parameters, with
@@ -284,11 +286,13 @@ class Fused:
       ``message`` only: the step's :attr:`Output.message` instead), and
       ``out`` the bucket's :class:`Output`, handed back for the next
       bucket's order token. ``results``: each bucket's ``result``.
-      ``new_state``: the state after the step, not yet kept or dropped.
       ``ok``: bool scalar, the same on every device of the compressor's
-      axes: every bucket's mean is finite and ``new_state`` may be kept;
-      ``None`` when ``propagates_nonfinite``. Keep ``new_state`` only where
-      the caller's ``ok`` holds, as ``update`` does.
+      axes: every bucket's mean is finite; ``agree(ok) -> ok``, when given,
+      makes it the decision of a wider group (a hierarchy's shards agree
+      over the fast axis); ``None`` when ``propagates_nonfinite``.
+      ``new_state``: the state after the step where ``ok`` holds, else the
+      old state (kept or dropped here, the residual in the same kernels
+      that write it).
     propagates_nonfinite: the method's dense exchange carries a non-finite
       value to every device by itself and it has no state to protect, so
       there is no ``ok`` to combine.
@@ -501,7 +505,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       kept = out.residual
       if isinstance(kept, Zeroed):
         kept = error_feedback.zeroed(corrected, kept.indices)
-      written["residual"] = error_feedback.absorb(bucket, kept, state.residual)
+      written["residual"] = error_feedback.absorb(bucket, kept)
     if method.propagates_nonfinite:
       return out, written, None
     # The mean is identical on every device, so is this choice.
@@ -515,7 +519,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
       return method.form(state.count)
     return int(checks.check_number(form, FORM, integer=True, low=0))
 
-  def run(state, buckets: Sequence[fusion.Bucket], exchange: Callable, form: Optional[int]):
+  def run(state, buckets: Sequence[fusion.Bucket], exchange: Callable, form: Optional[int],
+          agree: Optional[Callable] = None):
     """``(results, new_state, ok)``: every bucket's step, in order, in the step's ``form``.
 
     ``exchange(index, bucket, after, compress) -> (result, out)``: hands
@@ -523,7 +528,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
     ``updates`` a tree whose bucket leaves hold the bucket's gradient, after
     sending what it sends first with ``after`` added (the order token of the
     bucket before, ``None`` for the first); ``result`` is collected.
-    ``new_state`` is not yet kept or dropped; ``ok`` is every bucket's.
+    ``ok``: every bucket's, passed through ``agree`` when given;
+    ``new_state`` is kept where it holds, else the old state.
     """
     new: dict[str, Any] = {}
     key = None
@@ -532,11 +538,12 @@ def compressor(method: Method) -> optax.GradientTransformation:
       new["rng_key"] = jax.random.key_data(next_key)
     # One bucket is the unbucketed path: the same state layout and bits.
     split = len(buckets) > 1
-    own = {f: [] for f in (sized if split else ())}
+    olds = {f: getattr(state, f) if split else (getattr(state, f),) for f in sized}
+    pending = {f: [] for f in sized}
     threaded, results, oks, after = state, [], [], None
     form = step_form(state, form)
     for index, bucket in enumerate(buckets):
-      view = threaded._replace(**{f: getattr(state, f)[index] for f in own})
+      view = threaded._replace(**{f: olds[f][index] for f in sized})
       draw = jax.random.fold_in(key, index) if (split and key is not None) else key
       written, ok = {}, None
 
@@ -548,18 +555,27 @@ def compressor(method: Method) -> optax.GradientTransformation:
       result, out = exchange(index, bucket, after, compress)
       results.append(result)
       oks.append(ok)
-      for f in own:
-        own[f].append(written.pop(f))
+      for f in sized:
+        pending[f].append(written.pop(f, None))
       threaded = threaded._replace(**written)
       if index + 1 < len(buckets):
         after = _token(out)
-    new.update({f: tuple(v) for f, v in own.items()})
     if counted:
       new["count"] = optax.safe_increment(state.count)
     new_state = threaded._replace(**new)
-    if method.propagates_nonfinite:
-      return results, new_state, None
-    return results, new_state, jnp.all(jnp.stack(oks)) if len(oks) > 1 else oks[0]
+    ok = None if method.propagates_nonfinite else (
+        jnp.all(jnp.stack(oks)) if len(oks) > 1 else oks[0])
+    if ok is not None:
+      if agree is not None:
+        ok = agree(ok)
+      new_state = keep_if(ok, new_state, state)
+    # The fields sized by the bucket are written in place, kept or dropped
+    # in the same kernel (:func:`jaxcomp._src.fusion.overwrite`).
+    for f in sized:
+      values = tuple(old if w is None else fusion.overwrite(old, w, ok)
+                     for old, w in zip(olds[f], pending[f]))
+      new_state = new_state._replace(**{f: values if split else values[0]})
+    return results, new_state, ok
 
   def checked_buckets(updates: chex.ArrayTree, state) -> tuple[fusion.Bucket, ...]:
     buckets = plan(updates)
@@ -569,7 +585,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     return buckets
 
   def fused_update(like: chex.ArrayTree, state, exchange: Callable, compact: bool = False,
-                   form: Optional[int] = None):
+                   form: Optional[int] = None, agree: Optional[Callable] = None):
     if compact and method.message is None:
       raise ValueError(f"`compact` needs a method with a message; {method.name!r} has none")
     buckets = checked_buckets(like, state)
@@ -587,7 +603,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
         return mean, out
       return exchange(index, bucket, after, flat_in)
 
-    return run(state, buckets, each, form)
+    return run(state, buckets, each, form, agree)
 
   def wire(shapes, axis_sizes, steps=None):
     return sum((method.wire(bucket, axis_sizes, steps) for bucket in plan(shapes)), ())
@@ -613,10 +629,10 @@ def compressor(method: Method) -> optax.GradientTransformation:
       out = compress(updates)
       return (bucket, out.mean), out
 
-    means, new_state, ok = run(state, buckets, exchange, extra_args.get(FORM))
+    means, new_state, _ = run(state, buckets, exchange, extra_args.get(FORM))
     for bucket, mean in means:
       updates = bucket.unflatten(mean, like=updates)
-    return updates, new_state if ok is None else keep_if(ok, new_state, state)
+    return updates, new_state
 
   attach_spec(update_fn, spec_)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
