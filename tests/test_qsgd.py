@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
+from jaxcomp._src import draws
 from jaxcomp._src import qsgd
 from jaxcomp import training
 from jaxcomp import wire
@@ -61,14 +62,14 @@ def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
     corrected = np.concatenate([grads["b"][device], grads["w"][device].reshape(-1)])
     padded = np.pad(corrected, (0, 8 * chunk - n))
     own, _ = _keys(5, device)
-    decoded = _quantize(padded, np.asarray(qsgd.uniform(own, 8 * chunk)), LEVELS, block)
+    decoded = _quantize(padded, np.asarray(draws.uniform(own, 8 * chunk)), LEVELS, block)
     chunk_sums += decoded.reshape(8, chunk) / 8
     if error_feedback:
       residual = np.concatenate([np.asarray(new_state.residual["b"][device]),
                                  np.asarray(new_state.residual["w"][device]).reshape(-1)])
       np.testing.assert_allclose(residual, corrected - decoded[:n], rtol=1e-5, atol=1e-6)
   mean = np.concatenate([
-      _quantize(chunk_sums[j], np.asarray(qsgd.uniform(_keys(5, j)[1], chunk)),
+      _quantize(chunk_sums[j], np.asarray(draws.uniform(_keys(5, j)[1], chunk)),
                 LEVELS, block) for j in range(8)])[:n]
   got = np.concatenate([np.asarray(out["b"][0]), np.asarray(out["w"][0]).reshape(-1)])
   np.testing.assert_allclose(got, mean, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ from jax import lax
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import draws
 from jaxcomp._src import protocol
 from jaxcomp._src import wire
 
@@ -45,29 +46,6 @@ def _norms(blocks: jax.Array) -> jax.Array:
   return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
 
 
-def _mix(x: jax.Array) -> jax.Array:
-  """lowbias32 (C. Wellons): a bijective 32-bit integer hash with a low bias."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def uniform(key: jax.Array, n: int) -> jax.Array:
-  """``f32[n]``, uniform on ``[0, 1)`` in steps of ``2**-24``: a counter-based draw.
-
-  Two 32-bit words ``w`` are drawn from ``key``; entry ``i`` is the top 24 bits
-  of ``mix(mix(i ^ w[0]) ^ w[1])`` (:func:`_mix`). Elementwise integer
-  arithmetic, so XLA fuses it into the quantiser's one pass; ``n`` draws of
-  ``jax.random.uniform`` run threefry's rounds as a loop of their own, 16
-  passes over the gradient on CPU.
-  """
-  words = jax.random.bits(key, (2,), jnp.uint32)
-  bits = _mix(_mix(lax.iota(jnp.uint32, n) ^ words[0]) ^ words[1])
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
 def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
   """``(int8 levels [m * bucket_size], f32 norms [m])`` of a flat ``x``, padded with zeros.
 
@@ -81,7 +59,7 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
   norms = _norms(padded)
   scaled = levels * jnp.abs(padded) / jnp.where(norms == 0, 1.0, norms)[:, None]
   floor = jnp.floor(scaled)
-  up = uniform(key, padded.size).reshape(padded.shape) < scaled - floor
+  up = draws.uniform(key, padded.size).reshape(padded.shape) < scaled - floor
   level = jnp.minimum(floor + up, levels) * jnp.sign(padded)
   return level.astype(jnp.int8).reshape(-1), norms
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp._src import collectives
+from jaxcomp._src import draws
 
 _WORD = 32  # mask bits packed per word by the compaction
 # The sample is read in runs of this many consecutive entries (cache lines,
@@ -242,10 +243,10 @@ def threshold_candidates(
   runs = -(-size // _RUN)
   stride = n // runs
   if stride >= _RUN:
-    starts = jnp.arange(runs) * stride + jax.random.randint(key, (runs,), 0, stride - _RUN + 1)
+    starts = jnp.arange(runs) * stride + draws.integers(key, runs, stride - _RUN + 1)
     positions = (starts[:, None] + jnp.arange(_RUN)).reshape(-1)[:size]
   else:
-    positions = jax.random.randint(key, (size,), 0, n)
+    positions = draws.integers(key, size, n)
   oversample = (tuning or Tuning()).oversample
   target = jnp.ceil(oversample * jnp.asarray(k, jnp.float32) * (size / n))
   target = jnp.clip(target, 1, size).astype(jnp.int32)
