@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from jaxcomp._src import checks
@@ -282,7 +283,9 @@ def dgc(
     # Every leaf's momentum in one elementwise pass over the bucket: the
     # sparse leaves' as in ``prepare``, with what was sent masked, then the
     # dense leaves' (padded, not concatenated: a pad fuses into the pass).
-    momentum, _ = accumulate(state.momentum, ctx.carry)
+    # Formed again from its inputs behind a barrier: shared with
+    # ``prepare``'s, XLA writes it out and reads it back (3 passes more).
+    momentum, _ = accumulate(*lax.optimization_barrier((state.momentum, ctx.carry)))
     momentum = jnp.where(_in_head(ctx.bucket, where),
                          error_feedback.zero_sent(jnp.pad(sent, (0, dense.size)), momentum),
                          jnp.pad(dense_momentum, (sparse.size, 0)))
