@@ -97,6 +97,7 @@ _DIGITS_METHODS = {
             "momentum": 0.0, "warmup_fraction": 0.05},
     "signsgd": {"compressor": {}, "momentum": 0.5},
     "qsgd": {"compressor": {"levels": 8}, "momentum": 0.9},
+    "quantized": {"compressor": {"bits": 8}, "momentum": 0.9},
     "powersgd": {"compressor": {"rank": 2}, "momentum": 0.9},
     "acpsgd": {"compressor": {"rank": 2}, "momentum": 0.9},
 }

@@ -33,6 +33,8 @@ from jaxcomp._src.lowrank import acpsgd as acpsgd
 from jaxcomp._src.lowrank import powersgd as powersgd
 from jaxcomp._src.qsgd import QSGDState as QSGDState
 from jaxcomp._src.qsgd import qsgd as qsgd
+from jaxcomp._src.quantized import QuantizedState as QuantizedState
+from jaxcomp._src.quantized import quantized as quantized
 from jaxcomp._src.registry import check_chain as check_chain
 from jaxcomp._src.signsgd import SignSGDState as SignSGDState
 from jaxcomp._src.signsgd import signsgd as signsgd
@@ -61,6 +63,7 @@ __all__ = (
     "HierarchicalState",
     "PowerSGDState",
     "QSGDState",
+    "QuantizedState",
     "RandomKState",
     "SignSGDState",
     "TopKState",
@@ -77,6 +80,7 @@ __all__ = (
     "powersgd",
     "protocol",
     "qsgd",
+    "quantized",
     "randomk",
     "registry",
     "selection",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Union
 
 import jax
@@ -13,7 +12,7 @@ import optax
 from jaxcomp._src import checks
 from jaxcomp._src import draws
 from jaxcomp._src import protocol
-from jaxcomp._src import wire
+from jaxcomp._src import two_hop
 
 
 class QSGDState(NamedTuple):
@@ -64,27 +63,27 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
   return level.astype(jnp.int8).reshape(-1), norms
 
 
-def _pack(level: jax.Array, norms: jax.Array) -> jax.Array:
-  """uint8 ``[..., m B + 4 m]``: the int8 levels, then the f32 norms, as bytes."""
-  norm_bytes = lax.bitcast_convert_type(norms, jnp.uint8)
-  return jnp.concatenate([lax.bitcast_convert_type(level, jnp.uint8),
-                          norm_bytes.reshape(norms.shape[:-1] + (-1,))], axis=-1)
+def _codec(levels: int, block: int, keys) -> two_hop.Codec:
+  """QSGD's blocks as bytes: int8 levels (one byte each), the norms as the scales.
+
+  ``keys``: the rounding's draws of the two hops (this device's gradient,
+  then its chunk of the mean)."""
+
+  def encode(x, hop):
+    level, norms = quantize(x, levels, block, keys[hop])
+    return lax.bitcast_convert_type(level, jnp.uint8), norms
+
+  def decode(payload, norms):
+    level = lax.bitcast_convert_type(payload, jnp.int8).astype(jnp.float32)
+    steps = level.reshape(level.shape[:-1] + (-1, block))
+    return (norms[..., None] / levels * steps).reshape(level.shape)
+
+  return two_hop.Codec(encode, decode, _payload_bytes)
 
 
-def _decode(message: jax.Array, levels: int, block: int) -> jax.Array:
-  """f32 ``[..., m B]``: the values of :func:`_pack`'s messages (``[..., m B + 4 m]``)."""
-  size = message.shape[-1] * block // (block + 4)
-  level = lax.bitcast_convert_type(message[..., :size], jnp.int8).astype(jnp.float32)
-  norms = lax.bitcast_convert_type(
-      message[..., size:].reshape(message.shape[:-1] + (-1, 4)), jnp.float32)
-  steps = level.reshape(level.shape[:-1] + (-1, block))
-  return (norms[..., None] / levels * steps).reshape(level.shape)
-
-
-def _chunk(n: int, devices: int, bucket_size: int) -> tuple[int, int]:
-  """``(block, chunk)``: entries per norm, and per device (a multiple of ``block``)."""
-  block = min(bucket_size, -(-n // devices))
-  return block, -(-n // (devices * block)) * block
+def _payload_bytes(entries: int) -> int:
+  """One int8 level per entry."""
+  return entries
 
 
 def qsgd(
@@ -162,28 +161,15 @@ def qsgd(
 
   def step(ctx, corrected, state):
     del state
-    n, devices = ctx.bucket.size, ctx.num_devices
-    block, chunk = _chunk(n, devices, bucket_size)
-    own, again = jax.random.split(jax.random.fold_in(ctx.key, lax.axis_index(
+    block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, bucket_size)
+    keys = jax.random.split(jax.random.fold_in(ctx.key, lax.axis_index(
         axes[0] if len(axes) == 1 else axes)))
-    padded = jnp.pad(corrected, (0, devices * chunk - n))
-    level, norms = quantize(padded, levels, block, own)
-    # Hop 1: chunk j of every device to device j, summed there in f32.
-    outgoing = _pack(level.reshape(devices, chunk),
-                     ctx.send(norms).reshape(devices, chunk // block))
-    chunk_mean = jnp.sum(_decode(ctx.all_to_all(outgoing), levels, block), axis=0)
-    # Hop 2: each device's chunk of the mean, quantized again, to every device.
-    mean_level, mean_norms = quantize(chunk_mean, levels, block, again)
-    gathered = ctx.allgather(_pack(mean_level, mean_norms))
-    sent = norms[:, None] / levels * level.astype(jnp.float32).reshape(-1, block)
-    return protocol.Output(mean=_decode(gathered, levels, block).reshape(-1)[:n],
-                           residual=corrected - sent.reshape(-1)[:n])
+    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(levels, block, keys), block, chunk)
+    return protocol.Output(mean=mean, residual=corrected - sent, witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps
-    block, chunk = _chunk(bucket.size, math.prod(sizes.values()), bucket_size)
-    message = chunk + 4 * (chunk // block)
-    return wire.all_to_all(message, sizes) + wire.allgather(message, sizes)
+    return two_hop.wire_cost(_payload_bytes, bucket.size, bucket_size, sizes)
 
   return protocol.compressor(protocol.Method(
       name="qsgd",

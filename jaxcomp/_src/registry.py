@@ -26,6 +26,7 @@ from jaxcomp._src import lowrank
 from jaxcomp._src import signsgd
 from jaxcomp._src import sparsify
 from jaxcomp._src import qsgd
+from jaxcomp._src import quantized
 from jaxcomp._src import wire
 
 # Optimizer states that carry a momentum (first moment) of their own.
@@ -62,7 +63,8 @@ class Entry(NamedTuple):
 # Default configurations: density 0.1% for the top-k family and DGC (DGC
 # paper, after warm-up), 1% for random-k (it needs more to converge), rank 4
 # for the low-rank methods (PowerSGD's ImageNet setting), 8 levels (4 bits) for
-# QSGD as in its paper's ImageNet runs.
+# QSGD as in its paper's ImageNet runs, 8 bits for the integer quantizer
+# (INTELLECT-1's int8 all-reduce).
 METHODS: dict[str, Entry] = {m.name: m for m in (
     Entry("allreduce", dense.allreduce, optax.EmptyState, {},
            "dense mean, the S-SGD baseline"),
@@ -80,6 +82,8 @@ METHODS: dict[str, Entry] = {m.name: m for m in (
     Entry("signsgd", signsgd.signsgd, signsgd.SignSGDState, {}, "scaled 1-bit signs"),
     Entry("qsgd", qsgd.qsgd, qsgd.QSGDState,
            {"levels": 8}, "stochastic quantization, int8 levels"),
+    Entry("quantized", quantized.quantized, quantized.QuantizedState,
+           {"bits": 8}, "8- or 4-bit integers per block, summed in f32"),
     Entry("powersgd", lowrank.powersgd, lowrank.PowerSGDState, {"rank": 4},
            "rank-r power iteration"),
     Entry("acpsgd", lowrank.acpsgd, lowrank.ACPSGDState, {"rank": 4},

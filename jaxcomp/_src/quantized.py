@@ -1,0 +1,155 @@
+"""Integer quantization: 8 or 4 bits per entry and one f32 scale per block, summed in f32."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from jaxcomp._src import checks
+from jaxcomp._src import protocol
+from jaxcomp._src import two_hop
+
+BITS = (4, 8)
+
+
+class QuantizedState(NamedTuple):
+  """State of :func:`quantized`.
+
+  Attributes:
+    count: steps taken (int32, saturating).
+    residual: with error feedback, ``f32[n]``, the gradient's leaves fused
+      in tree order (a tuple of one per bucket with ``bucket_cap_mb``), this
+      device's ``corrected - Q(corrected)``; without it, ``()``.
+  """
+
+  count: jax.Array
+  residual: Union[jax.Array, tuple]
+
+
+def encode(x: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """``(uint8 payload, f32 scales [m])`` of a flat ``x`` of ``m * block`` entries.
+
+  Per block ``b``: the scale ``s_b = max |x_b| / q`` with ``q = 2**(bits - 1) - 1``
+  (127 or 7), each entry rounded to the nearest integer of ``x_i / s_b`` (in
+  ``[-q, q]``); 8 bits: one int8 per entry; 4 bits: two entries per byte,
+  each as ``l + 8`` in a nibble (the first in the low one).
+  """
+  blocks = x.reshape(-1, block)
+  top = 2 ** (bits - 1) - 1
+  scales = jnp.max(jnp.abs(blocks), axis=1) / top
+  level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
+  level = jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1)
+  if bits == 8:
+    return lax.bitcast_convert_type(level, jnp.uint8), scales
+  nibbles = (level + 8).astype(jnp.uint8).reshape(-1, 2)
+  return nibbles[:, 0] | (nibbles[:, 1] << 4), scales
+
+
+def decode(payload: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
+  """f32 ``[..., m * block]`` from :func:`encode`'s ``[..., L]`` payload and ``[..., m]`` scales."""
+  if bits == 8:
+    level = lax.bitcast_convert_type(payload, jnp.int8).astype(jnp.float32)
+  else:
+    low = (payload & 15).astype(jnp.float32) - 8
+    high = (payload >> 4).astype(jnp.float32) - 8
+    level = jnp.stack([low, high], axis=-1).reshape(payload.shape[:-1] + (-1,))
+  steps = level.reshape(level.shape[:-1] + (scales.shape[-1], -1))
+  return (scales[..., None] * steps).reshape(level.shape)
+
+
+def _payload_bytes(bits: int):
+  return lambda entries: entries * bits // 8
+
+
+def _codec(bits: int, block: int) -> two_hop.Codec:
+  return two_hop.Codec(lambda x, hop: encode(x, bits, block),
+                       lambda payload, scales: decode(payload, scales, bits),
+                       _payload_bytes(bits))
+
+
+def quantized(
+    bits: int,
+    axis_name: checks.AxisName,
+    *,
+    block_size: int = 64,
+    error_feedback: bool = True,
+    bucket_cap_mb: Optional[float] = None,
+) -> optax.GradientTransformation:
+  """A mean of 8- or 4-bit integers, each block with its own f32 scale, summed in f32.
+
+  The fused gradient ``c`` (plus the residual with error feedback), padded
+  to ``P`` equal chunks, is cut into blocks of ``B`` entries; each block is
+  sent as its scale ``s_b = max |c_b| / q`` (f32, divided by ``P``) and each
+  entry as the nearest integer of ``c_i / s_b``, ``q = 127`` for 8 bits and
+  ``7`` for 4 (two entries in a byte). The mean is reduced as a quantized
+  reduce-scatter and all-gather (:mod:`jaxcomp._src.two_hop`): an all-to-all
+  brings chunk ``j`` of every device to device ``j``, which decodes and sums
+  it in f32, encodes the chunk of the mean again, and an all-gather brings it
+  to every device. Rounding is to the nearest, the same on every device;
+  error feedback (the default) keeps what this device's own rounding
+  dropped, ``c - Q(c)``. This is the quantized all-reduce of torchft's
+  DiLoCo (FP8 rows there) and of INTELLECT-1's int8 pseudo-gradients, and
+  Streaming DiLoCo's 4-bit outer gradients.
+
+  Args:
+    bits: 8 or 4.
+    axis_name: the data-parallel mesh axis, or a pair of axes (both hops
+      run over the whole mesh).
+    block_size: entries per scale, an int >= 2 (at most a device's chunk,
+      ``ceil(n / P)``, rounded up to an even number with 4 bits).
+    error_feedback: keep ``c - Q(c)`` in a per-device residual.
+    bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
+      per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf
+      order and exchanged one after the other (:func:`jaxcomp.protocol.plan`);
+      each bucket is padded to ``P`` chunks and cut into blocks of its own.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`QuantizedState`,
+    whose ``update`` returns the decoded mean, identical on every device, in
+    the dtype of ``updates``.
+
+  Wire: a chunk of ``C = ceil(n / (P B)) B`` entries is ``C bits / 8 + 4 C / B``
+  bytes; the all-to-all and the all-gather each send ``P - 1`` chunks:
+  ``2 (P - 1) (C bits / 8 + 4 C / B)`` bytes per device, about
+  ``2 (P - 1) / P n (bits / 8 + 4 / B)``: for 8 bits and ``B = 64``, 0.27 of
+  the dense f32 all-reduce's bytes; for 4 bits, 0.14.
+
+  Example::
+
+    tx = optax.chain(jaxcomp.quantized(8, "data"), optax.sgd(0.1, momentum=0.9))
+
+  References:
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025 (4-bit outer gradients);
+    Jaghouar et al., `INTELLECT-1 Technical Report
+    <https://arxiv.org/abs/2412.01152>`_, 2024 (int8 all-reduce).
+  """
+  bits = checks.check_number(bits, "bits", integer=True, low=min(BITS), high=max(BITS))
+  if bits not in BITS:
+    raise ValueError(f"`bits` must be one of {list(BITS)}, got {bits!r}")
+  axes = checks.check_axis_name(axis_name)
+  block_size = checks.check_number(block_size, "block_size", integer=True, low=2)
+  error_feedback = checks.check_bool(error_feedback, "error_feedback")
+  bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
+  multiple = 2 if bits == 4 else 1
+
+  def step(ctx, corrected, state):
+    del state
+    block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
+    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk)
+    return protocol.Output(mean=mean, residual=corrected - sent, witness=scales)
+
+  def wire_cost(bucket, sizes, steps):
+    del steps
+    return two_hop.wire_cost(_payload_bytes(bits), bucket.size, block_size, sizes, multiple)
+
+  return protocol.compressor(protocol.Method(
+      name="quantized",
+      config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
+                  error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
+      axes=axes, state=QuantizedState, step=step, wire=wire_cost,
+      error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb))

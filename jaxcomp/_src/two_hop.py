@@ -1,0 +1,109 @@
+"""A quantized mean in two hops, summed in f32: the path QSGD and the integer quantizer share.
+
+Each device's corrected gradient, padded to ``P`` equal chunks of ``C``
+entries (``C`` a multiple of the block), is encoded block by block into a
+message per chunk: the payload bytes, then one f32 scale per block, divided
+by ``P`` before it is sent (so the sum is the mean and never overflows).
+
+1. all-to-all: chunk ``j`` of every device goes to device ``j``, which
+   decodes the ``P`` of them and sums them in f32;
+2. device ``j`` encodes that chunk of the mean again and an all-gather brings
+   every chunk to every device, decoded alike.
+
+Wire: the all-to-all and the all-gather each send ``P - 1`` messages of a
+chunk, ``payload(C) + 4 C / B`` bytes: ``2 (P - 1) (payload(C) + 4 C / B)``
+per device, about ``2 (P - 1) / P`` of the bytes of one encoded gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp._src import wire
+
+
+class Codec(NamedTuple):
+  """How a method encodes blocks of ``block`` entries into bytes, and back.
+
+  Attributes:
+    encode: ``encode(x, hop) -> (payload, scales)``: ``x`` f32 ``[m * block]``;
+      ``payload`` uint8 ``[payload_bytes(m * block)]``, ``scales`` f32 ``[m]``;
+      ``hop`` is 0 for this device's gradient, 1 for its chunk of the mean.
+    decode: ``decode(payload, scales) -> f32 [..., m * block]`` from uint8
+      ``[..., payload_bytes(m * block)]`` and f32 ``[..., m]`` (leading axes
+      batched).
+    payload_bytes: ``payload_bytes(entries) -> int``.
+  """
+
+  encode: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
+  decode: Callable[[jax.Array, jax.Array], jax.Array]
+  payload_bytes: Callable[[int], int]
+
+
+def chunking(n: int, devices: int, block_size: int, multiple: int = 1) -> tuple[int, int]:
+  """``(block, chunk)``: entries per scale, and per device (a multiple of ``block``).
+
+  ``block`` is ``block_size``, or a device's share ``ceil(n / P)`` when that
+  is smaller, rounded up to a multiple of ``multiple`` (a codec that packs
+  two entries in a byte needs an even block).
+  """
+  block = min(block_size, -(-n // devices))
+  block = -(-block // multiple) * multiple
+  return block, -(-n // (devices * block)) * block
+
+
+def message_bytes(payload_bytes: Callable[[int], int], chunk: int, block: int) -> int:
+  """Bytes of one chunk's message: its payload, then ``4`` per block."""
+  return payload_bytes(chunk) + 4 * (chunk // block)
+
+
+def _pack(payload: jax.Array, scales: jax.Array) -> jax.Array:
+  """uint8 ``[..., L + 4 m]``: the payload, then the f32 scales as bytes."""
+  scale_bytes = lax.bitcast_convert_type(scales, jnp.uint8)
+  return jnp.concatenate([payload, scale_bytes.reshape(scales.shape[:-1] + (-1,))], axis=-1)
+
+
+def _unpacked(message: jax.Array, payload: int) -> tuple[jax.Array, jax.Array]:
+  """``(payload bytes, f32 scales)`` of :func:`_pack`'s messages ``[..., payload + 4 m]``."""
+  scales = lax.bitcast_convert_type(
+      message[..., payload:].reshape(message.shape[:-1] + (-1, 4)), jnp.float32)
+  return message[..., :payload], scales
+
+
+def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
+         chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(mean, sent, scales)``: the two-hop mean and this device's encoded gradient
+  decoded (what error feedback keeps the difference to), both f32 ``[n]``, and
+  the gathered scales of the mean, ``[P, C / B]``, finite exactly when the mean
+  is (a codec's levels are bounded): the step's witness.
+
+  ``ctx``: the method's :class:`jaxcomp.protocol.Context` (its ``send``
+  scales the scales by ``1/P`` and poisons them where this device's input
+  is not finite); ``corrected``: f32 ``[n]``; ``(block, chunk)`` from
+  :func:`chunking`.
+  """
+  n, devices = corrected.shape[0], ctx.num_devices
+  payload_bytes = codec.payload_bytes(chunk)
+  padded = jnp.pad(corrected, (0, devices * chunk - n))
+  payload, scales = codec.encode(padded, 0)
+  outgoing = _pack(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
+  chunk_mean = jnp.sum(codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)),
+                       axis=0)
+  gathered, gathered_scales = _unpacked(
+      ctx.allgather(_pack(*codec.encode(chunk_mean, 1))), payload_bytes)
+  decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
+  return decoded, codec.decode(payload, scales).reshape(-1)[:n], gathered_scales
+
+
+def wire_cost(payload_bytes: Callable[[int], int], n: int, block_size: int, sizes,
+              multiple: int = 1) -> tuple:
+  """The transfers of :func:`mean` for a bucket of ``n`` over axes of ``sizes``
+  (``payload_bytes``: the codec's)."""
+  block, chunk = chunking(n, math.prod(sizes.values()), block_size, multiple)
+  message = message_bytes(payload_bytes, chunk, block)
+  return wire.all_to_all(message, sizes) + wire.allgather(message, sizes)
