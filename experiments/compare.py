@@ -733,7 +733,8 @@ def markdown(report: dict) -> str:
       " its indices come from a shared seed), plus every leaf the method sends dense;"
       " for the low-rank methods the factors (ACP-SGD: the mean of its P and Q steps);"
       " for signSGD the packed bits; for QSGD one int8 level per element and one f32"
-      " norm per bucket. It is computed from the method's configuration by"
+      " norm per bucket; for the integer quantizer bits / 8 bytes per element and one"
+      " f32 scale per block. It is computed from the method's configuration by"
       " its own wire formula at P = 2, where a device sends exactly its message once.",
       "- **step time**: the median wall time of one step over the second half of the"
       " run, 8 fake devices sharing the CPU cores, so collectives cost memory copies, not"
