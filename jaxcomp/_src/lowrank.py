@@ -353,11 +353,11 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _residual(view: MatrixView, corrected: jax.Array, p_factors: list[jax.Array],
+def _residual(matrices: list[jax.Array], p_factors: list[jax.Array],
               q_factors: list[jax.Array]) -> fusion.Pieces:
-  """``corrected - P Q^T`` on the compressed leaves (``P``, ``Q``: the groups' factors as
-  sent), one piece per group written in place; the dense leaves' residual stays (zero)."""
-  matrices = view.matrices(corrected[:view.lowrank.size])
+  """``M - P Q^T`` of each group of the corrected gradient's matrices (``view.matrices``;
+  ``P``, ``Q``: the groups' factors as sent), one piece per group written in place; the
+  dense leaves' residual stays (zero)."""
   offsets = itertools.accumulate((m.size for m in matrices[:-1]), initial=0)
   return fusion.Pieces(tuple(offsets), tuple(
       m - s for m, s in zip(matrices, _products(p_factors, q_factors))))
@@ -503,7 +503,7 @@ def powersgd(
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=_residual(view, corrected, p_beside, local_q),
+        residual=_residual(matrices, p_beside, local_q),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -665,14 +665,15 @@ def acpsgd(
               view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
 
     even = ctx.form == 0
+    matrices = view.matrices(corrected[:view.lowrank.size])
     p_mean, q_mean, p_sent, q_sent, dense_mean, fresh, old = ctx.switch(
-        (p_step, q_step), view.matrices(corrected[:view.lowrank.size]))
+        (p_step, q_step), matrices)
     ortho = _orthonormalize(_refill(fresh, old))
     new_p = jnp.where(even, view.uncolumns(ortho, "p"), state.p)
     new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
-        residual=_residual(view, corrected, view.p_factors(p_sent), view.q_factors(q_sent)),
+        residual=_residual(matrices, view.p_factors(p_sent), view.q_factors(q_sent)),
         state={"p": new_p, "q": new_q},
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]))
