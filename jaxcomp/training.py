@@ -6,6 +6,7 @@
 * Steps: :func:`make_step` (a jitted ``shard_map`` step that skips non-finite
   steps on every device alike), :func:`make_update`, :func:`make_pmap_step`.
 * FSDP: :func:`shard_params`, :func:`init_fsdp_state`, :func:`make_fsdp_step`.
+* Low-communication training (DiLoCo, Streaming DiLoCo): :func:`make_diloco_step`.
 * Checkpoints: :func:`save_checkpoint`, :func:`restore_checkpoint`.
 * The large-batch recipe: :func:`batch_size_schedule`,
   :func:`batch_scaled_learning_rate`, :func:`compile_batch_sizes`.
@@ -41,6 +42,12 @@ from jaxcomp._src.fsdp import gather_params as gather_params
 from jaxcomp._src.fsdp import init_fsdp_state as init_fsdp_state
 from jaxcomp._src.fsdp import make_fsdp_step as make_fsdp_step
 from jaxcomp._src.fsdp import fsdp_transfers as fsdp_transfers
+from jaxcomp._src.diloco import DiLoCoState as DiLoCoState
+from jaxcomp._src.diloco import DiLoCoStep as DiLoCoStep
+from jaxcomp._src.diloco import DiLoCoTransfers as DiLoCoTransfers
+from jaxcomp._src.diloco import FragmentState as FragmentState
+from jaxcomp._src.diloco import fragments as diloco_fragments
+from jaxcomp._src.diloco import make_diloco_step as make_diloco_step
 from jaxcomp._src.checkpoint import save_checkpoint as save_checkpoint
 from jaxcomp._src.checkpoint import restore_checkpoint as restore_checkpoint
 from jaxcomp._src.large_batch import BatchSizeSchedule as BatchSizeSchedule
@@ -58,6 +65,11 @@ __all__ = (
     "check_replicas",
     "compile_batch_sizes",
     "device_rows",
+    "diloco_fragments",
+    "DiLoCoState",
+    "DiLoCoStep",
+    "DiLoCoTransfers",
+    "FragmentState",
     "fsdp_transfers",
     "gather_params",
     "init_fsdp_state",
@@ -67,6 +79,7 @@ __all__ = (
     "local_state",
     "local_to_blocks",
     "LossFn",
+    "make_diloco_step",
     "make_fsdp_step",
     "make_mesh",
     "make_pmap_step",

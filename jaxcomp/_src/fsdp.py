@@ -65,6 +65,38 @@ def init_fsdp_state(
   return layout.tile_per_device(tx.init(shards), mesh, (slow_axis, fast_axis))
 
 
+def sharded_body(
+    loss_fn: steps.LossFn, tx: optax.GradientTransformation, whole: optax.Params,
+    fast_axis: str, size: int, *, agree_over: tuple[str, ...], skip_nonfinite: bool,
+    form: Optional[int] = None, has_aux: bool = False,
+) -> Callable:
+  """The per-device body of an FSDP step: ``body(shard, state, batch) -> (shard, state, metrics)``.
+
+  Inside ``shard_map``: the shard's row blocks all-gathered over ``fast_axis``
+  (``size`` devices) into parameters shaped like ``whole``, the gradient of
+  the shard (reduce-scattered by autodiff) divided into the mean, and ``tx``'s
+  update applied or skipped alike over ``agree_over``
+  (:func:`jaxcomp._src.steps.guarded_update`).
+  """
+
+  def body(shard, state, batch):
+    def local_loss(shard):
+      blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
+      params = gather_params(blocks, whole)
+      return loss_fn(params, batch) if has_aux else (loss_fn(params, batch), None)
+
+    (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(shard)
+    grads = jax.tree.map(lambda g: g / size, grads)
+    new_shard, new_state, finite = steps.guarded_update(
+        tx, grads, state, shard, skip_nonfinite=skip_nonfinite, agree_over=agree_over, form=form)
+    metrics = {"loss": loss, "finite": finite}
+    if has_aux:
+      metrics["aux"] = aux
+    return new_shard, new_state, metrics
+
+  return body
+
+
 def make_fsdp_step(
     loss_fn: steps.LossFn,
     tx: optax.GradientTransformation,
@@ -113,20 +145,14 @@ def make_fsdp_step(
   count = layout.num_replicas(mesh, axes)
 
   def build(form: Optional[int]) -> Callable:
+    # Every device updates its own shard: the skip must be the same on all of them.
+    body = sharded_body(loss_fn, tx, whole, fast_axis, size, agree_over=axes,
+                        skip_nonfinite=skip_nonfinite, form=form)
+
     def per_device(shard, blocks, batch):
       state = layout.blocks_to_local(blocks, shard_like)
-
-      def local_loss(shard):
-        blocks = jax.tree.map(lambda x: jax.lax.all_gather(x, fast_axis, tiled=True), shard)
-        return loss_fn(gather_params(blocks, whole), batch)
-
-      loss, grads = jax.value_and_grad(local_loss)(shard)
-      grads = jax.tree.map(lambda g: g / size, grads)
-      # Every device updates its own shard: the skip must be the same on all of them.
-      new_shard, new_state, finite = steps.guarded_update(
-          tx, grads, state, shard, skip_nonfinite=skip_nonfinite, agree_over=axes, form=form)
+      new_shard, new_state, metrics = body(shard, state, batch)
       add_axis = lambda x: jnp.expand_dims(x, 0)
-      metrics = {"loss": loss, "finite": finite}
       return new_shard, layout.local_to_blocks(new_state), jax.tree.map(add_axis, metrics)
 
     sharded = jax.shard_map(

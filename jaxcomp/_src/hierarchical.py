@@ -113,6 +113,7 @@ def hierarchical(
     fast_size: int,
     *,
     fast_dtype: Any = None,
+    fast_reduce: bool = True,
 ) -> optax.GradientTransformation:
   """Any compressor on the slow axis only, on this device's ``1/X`` of the gradient.
 
@@ -128,6 +129,10 @@ def hierarchical(
     fast_dtype: ``None`` (f32) or a 16-bit float dtype for the dense
       reduce-scatter and all-gather on the fast axis (a low-rank
       compressor's factors are gathered in f32).
+    fast_reduce: ``False`` when the input is already the same on every
+      device of the fast axis (a DiLoCo replica group's pseudo-gradient,
+      :func:`jaxcomp.training.make_diloco_step`): each device then takes its
+      own shard of it, and no reduce-scatter is sent.
 
   Returns:
     An ``optax.GradientTransformation`` with state
@@ -167,6 +172,7 @@ def hierarchical(
         f"`fast_axis` {fast_axis!r} is also the compressor's axis: build the compressor"
         f" over the slow axis only, got axes {inner_spec.axes}")
   fast_size = checks.check_number(fast_size, "fast_size", integer=True, low=1)
+  fast_reduce = checks.check_bool(fast_reduce, "fast_reduce")
   wire_dtype = None
   if fast_dtype is not None:
     wire_dtype = jnp.dtype(fast_dtype)
@@ -187,7 +193,7 @@ def hierarchical(
       if fused.message is not None:
         gather = wire.transfer(wire.Kind.ALL_GATHER, fast,
                                fast * fused.message.size(bucket) * 4, (fast_axis,))
-      fast_cost += (scatter, gather)
+      fast_cost += (scatter, gather) if fast_reduce else (gather,)
     if not fused.propagates_nonfinite:
       fast_cost += (skip_flag(fast_axis, fast),)
     slow_sizes = {a: sizes[a] for a in inner_spec.axes}
@@ -195,7 +201,8 @@ def hierarchical(
 
   spec = protocol.Spec(
       name=inner_spec.name,
-      config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size},
+      config={**inner_spec.config, "fast_axis": fast_axis, "fast_size": fast_size,
+              **({} if fast_reduce else {"fast_reduce": False})},
       axes=inner_spec.axes + (fast_axis,), wire=wire_cost, form=inner_spec.form,
       state=inner_spec.state)
 
@@ -226,12 +233,15 @@ def hierarchical(
         # This bucket's reduce-scatter follows the last one's all-gather: no
         # combiner merges the buckets.
         stacked = stacked + collectives.order_token(gathered_before).astype(stacked.dtype)
-      shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
-      # The mean, scaled after the sum: on the shard, where the division fuses
-      # into the compressor's first read (scaled before, it is a pass of its own
-      # over the X-times larger buffer). An f32 sum of X gradients overflows
-      # only beyond 3.4e38 / X, and a non-finite mean skips the step.
-      shard = shard / fast_size
+      if fast_reduce:
+        shard = collectives.reduce_scatter(stacked.reshape(-1), fast_axis, wire_dtype=wire_dtype)
+        # The mean, scaled after the sum: on the shard, where the division fuses
+        # into the compressor's first read (scaled before, it is a pass of its own
+        # over the X-times larger buffer). An f32 sum of X gradients overflows
+        # only beyond 3.4e38 / X, and a non-finite mean skips the step.
+        shard = shard / fast_size
+      else:
+        shard = lax.dynamic_index_in_dim(stacked, lax.axis_index(fast_axis), keepdims=False)
       # The shard goes in and its mean comes out flat, in the compressor's order:
       # no tree of the shard's leaves to fuse again, no flat mean split into leaves
       # to be concatenated again.

@@ -141,7 +141,7 @@ def guarded_update(
   return new_params, new_state, finite
 
 
-def _replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form=None):
+def replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form=None):
   """The per-device body of the shard_map and pmap steps: ``(params, state, metrics)``."""
 
   def body(params, state, batch):
@@ -203,27 +203,36 @@ class FormedStep:
     """Programs compiled, over every form."""
     return sum(p._cache_size() for p in self._programs.values())  # pylint: disable=protected-access
 
-  def _form(self, state) -> Optional[int]:
-    """The form of the step on ``state``, or ``None`` (the program of every form)."""
-    if self._spec is None:
-      return None
-    spec_state = self._spec.state
-    found = [x.count for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, spec_state))
-             if isinstance(x, spec_state)]
-    if not found or isinstance(found[0], jax.core.Tracer):  # traced: every form
-      return None
-    # Every device holds the same count: the first this process holds (across
-    # processes the array spans devices it cannot read).
-    count = found[0]
-    if isinstance(count, jax.Array):
-      count = count.addressable_shards[0].data
-    return self._spec.form(int(np.asarray(count).reshape(-1)[0]))
-
   def __call__(self, params, opt_state, batch):
     args = (params, opt_state, batch)
     if not self._searched:
       self._spec, self._searched = self._find_spec(args), True
-    return self.program(self._form(opt_state))(*args)
+    return self.program(form_of(self._spec, opt_state))(*args)
+
+
+def host_int(x) -> int:
+  """An int32 held the same on every device (a per-device step count), read on the host.
+
+  The first copy this process holds: across processes the array spans
+  devices it cannot read. Waits for the step that computes it.
+  """
+  if isinstance(x, jax.Array):
+    x = x.addressable_shards[0].data
+  return int(np.asarray(x).reshape(-1)[0])
+
+
+def form_of(spec: Optional[protocol.Spec], state) -> Optional[int]:
+  """The form of the step on ``state`` of the compressor ``spec``, or ``None`` (every form).
+
+  ``None`` also without a compressor with forms, or under a trace.
+  """
+  if spec is None:
+    return None
+  found = [x.count for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, spec.state))
+           if isinstance(x, spec.state)]
+  if not found or isinstance(found[0], jax.core.Tracer):  # traced: every form
+    return None
+  return spec.form(host_int(found[0]))
 
 
 def formed_spec(tx: optax.GradientTransformation, params: optax.Params) -> Optional[protocol.Spec]:
@@ -276,7 +285,7 @@ def make_step(
   count = layout.num_replicas(mesh, axis_name)
 
   def build(form: Optional[int]) -> Callable:
-    body = _replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form)
+    body = replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form)
 
     def per_device(params, blocks, batch):
       state = layout.blocks_to_local(blocks, jax.eval_shape(tx.init, params))
@@ -333,7 +342,7 @@ def make_pmap_step(
   devices = list(jax.local_devices() if devices is None else devices)
   mesh = _devices_mesh(devices)
   count = len(devices)
-  pmapped = jax.pmap(_replicated_body(tx, loss_fn, has_aux, skip_nonfinite),
+  pmapped = jax.pmap(replicated_body(tx, loss_fn, has_aux, skip_nonfinite),
                      axis_name=axis_name, devices=devices)
 
   def step(params, opt_state, batch):
