@@ -43,6 +43,7 @@ VARIANTS = {
     "dgc_warmup_clip": ("dgc", {"density": 0.1, "clip_norm": 10.0, "warmup_steps": 4,
                                 "sample_ratio": 0.5}),
     "signsgd_majority": ("signsgd", {"majority_vote": True}),
+    "signsgd_blocks": ("signsgd", {"block_size": 16}),
     "qsgd_error_feedback": ("qsgd", {"error_feedback": True}),
     "powersgd_cold": ("powersgd", {"warm_start": False}),
     # Two buckets of PARAMS (1 KiB each): every check below holds bucket by bucket.

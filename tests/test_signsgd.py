@@ -21,7 +21,11 @@ FACTORIES = {
     "ef": lambda axis: signsgd.signsgd(axis),
     "majority": lambda axis: signsgd.signsgd(axis, majority_vote=True),
     "plain": lambda axis: signsgd.signsgd(axis, error_feedback=False),
+    # Blocks of 5: 8 scales, the last block of 3 entries.
+    "blocks": lambda axis: signsgd.signsgd(axis, block_size=5),
+    "blocks_majority": lambda axis: signsgd.signsgd(axis, majority_vote=True, block_size=5),
 }
+BLOCK_SIZE = {"blocks": 5, "blocks_majority": 5}
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
 
 
@@ -36,15 +40,28 @@ def _flat(tree):
       axis=1)
 
 
-def _signsgd_reference(corrected, majority_vote):
+def _message_bytes(name):
+  """The packed signs and one f32 scale per block (one block without ``block_size``)."""
+  return -(-N // 8) + 4 * -(-N // BLOCK_SIZE.get(name, N))
+
+
+def _scales(corrected, block_size):
+  """``[P, n]``: each entry's block's ``mean |c|`` (the last block over its own entries)."""
+  blocks = [np.abs(corrected[:, i:i + block_size]) for i in range(0, N, block_size)]
+  means = np.concatenate([np.repeat(b.mean(axis=1, keepdims=True), b.shape[1], axis=1)
+                          for b in blocks], axis=1)
+  return means.astype(np.float32).astype(np.float64)
+
+
+def _signsgd_reference(corrected, majority_vote, block_size=N):
   """The decoded mean and the per-device residuals, from per-device ``[P, n]`` inputs."""
   signs = np.where(corrected >= 0, 1.0, -1.0)
-  scales = np.abs(corrected).mean(axis=1).astype(np.float32).astype(np.float64)
+  scales = _scales(corrected, block_size)
   if majority_vote:
-    mean = scales.mean() * np.where(signs.sum(axis=0) >= 0, 1.0, -1.0)
+    mean = scales.mean(axis=0) * np.where(signs.sum(axis=0) >= 0, 1.0, -1.0)
   else:
-    mean = (scales[:, None] * signs).mean(axis=0)
-  return mean, corrected - scales[:, None] * signs
+    mean = (scales * signs).mean(axis=0)
+  return mean, corrected - scales * signs
 
 
 # ------------------------------------------------------------------ bit packing
@@ -80,10 +97,10 @@ def test_sign_of_zero_is_plus_one():
 @pytest.mark.parametrize("name", FACTORIES)
 def test_one_allgather_of_the_packed_signs_and_the_scale(name, mesh_name):
   got = wire.collective_bytes(_run(name, mesh_name)["compiled"])
-  # One all-gather over the whole mesh of the packed signs and the f32 scale.
+  # One all-gather over the whole mesh of the packed signs and the f32 scales.
   assert [(op.kind, op.group_size, op.buffer_bytes) for op in got.ops] == [
-      ("all-gather", 8, 8 * (-(-N // 8) + 4))]
-  assert got.total == 7 * (-(-N // 8) + 4)
+      ("all-gather", 8, 8 * _message_bytes(name))]
+  assert got.total == 7 * _message_bytes(name)
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -107,12 +124,13 @@ def test_matches_numpy_oracle(name):
   residual = np.zeros((8, N))
   for step in (0, 1):
     corrected = _flat(run["grads"][step]) + (0 if name == "plain" else residual)
-    mean, residual = _signsgd_reference(corrected, name == "majority")
+    mean, residual = _signsgd_reference(corrected, "majority" in name,
+                                        BLOCK_SIZE.get(name, N))
     # The oracle rounds each scale once; XLA sums a scale's N magnitudes, and the 8
     # devices' terms of the mean, in an order it picks per CPU: N + 8 roundings of
     # the largest scale bound the difference, per step (a step's difference carries
     # into the next step's corrected gradient through the residual).
-    largest_scale = np.abs(corrected).mean(axis=1).max()
+    largest_scale = _scales(corrected, BLOCK_SIZE.get(name, N)).max()
     atol = (step + 1) * (N + 8) * np.finfo(np.float32).eps * largest_scale
     np.testing.assert_allclose(_flat(run["outs"][step])[0], mean, rtol=0, atol=atol)
     if name != "plain":
@@ -155,6 +173,8 @@ def test_mass_conservation():
     (dict(axis_name=("x", "y", "z")), ValueError, "`axis_name`"),
     (dict(error_feedback=1), TypeError, "`error_feedback`"),
     (dict(majority_vote="yes"), TypeError, "`majority_vote`"),
+    (dict(block_size=0), ValueError, "`block_size`"),
+    (dict(block_size=2.5), TypeError, "`block_size`"),
 ])
 def test_bad_arguments(kwargs, error, argument):
   with pytest.raises(error, match=argument):
