@@ -67,6 +67,11 @@ _QUANTIZER_RUNS = ("the mean of two runs once the two-hop quantizers tested thei
                    " and 208.3, quantized 197.4 and 205.3, in the same rotated rounds)")
 
 
+_CHUNKED_RUNS = ("the mean of two runs (dense 130.6 and 128.1 ms per step; sparseloco 222.6"
+                 " and 214.7, demo 321.5 and 304.3, in the same rotated rounds; density"
+                 " 0.001: one of every 64 DCT coefficients for demo)")
+
+
 def _bench_run(figure: float, command: str = _ALL_METHODS, note: str = _RUNS) -> Measurement:
   return Measurement(figure, command, "2026-11-26", note)
 
@@ -90,6 +95,10 @@ NS_PER_ELEMENT: dict[str, Measurement] = {
                        _QUANTIZER_RUNS),
     "quantized": _bench_run(3.57, _ALL_METHODS + " --only allreduce,qsgd,quantized",
                             _QUANTIZER_RUNS),
+    "sparseloco": _bench_run(3.49, _ALL_METHODS + " --only allreduce,sparseloco,demo",
+                             _CHUNKED_RUNS),
+    "demo": _bench_run(7.18, _ALL_METHODS + " --only allreduce,sparseloco,demo",
+                       _CHUNKED_RUNS),
     "powersgd": _bench_run(1.10),
     "acpsgd": _bench_run(1.00),
 }

@@ -23,6 +23,8 @@ from jaxcomp import training as training
 from jaxcomp import wire as wire
 from jaxcomp._src.dense import allreduce as allreduce
 from jaxcomp._src.dense import cast as cast
+from jaxcomp._src.demo import DeMoState as DeMoState
+from jaxcomp._src.demo import demo as demo
 from jaxcomp._src.dgc import DGCState as DGCState
 from jaxcomp._src.dgc import dgc as dgc
 from jaxcomp._src.hierarchical import HierarchicalState as HierarchicalState
@@ -37,6 +39,8 @@ from jaxcomp._src.quantized import QuantizedState as QuantizedState
 from jaxcomp._src.quantized import quantized as quantized
 from jaxcomp._src.registry import check_chain as check_chain
 from jaxcomp._src.signsgd import SignSGDState as SignSGDState
+from jaxcomp._src.sparseloco import SparseLoCoState as SparseLoCoState
+from jaxcomp._src.sparseloco import sparseloco as sparseloco
 from jaxcomp._src.signsgd import signsgd as signsgd
 from jaxcomp._src.sparsify import GTopKState as GTopKState
 from jaxcomp._src.sparsify import RandomKState as RandomKState
@@ -58,6 +62,7 @@ def __getattr__(name: str):
 
 __all__ = (
     "ACPSGDState",
+    "DeMoState",
     "DGCState",
     "GTopKState",
     "HierarchicalState",
@@ -66,6 +71,7 @@ __all__ = (
     "QuantizedState",
     "RandomKState",
     "SignSGDState",
+    "SparseLoCoState",
     "TopKState",
     "acpsgd",
     "allreduce",
@@ -73,6 +79,7 @@ __all__ = (
     "check_chain",
     "collectives",
     "costmodel",
+    "demo",
     "dgc",
     "gtopk",
     "hierarchical",
@@ -85,6 +92,7 @@ __all__ = (
     "registry",
     "selection",
     "signsgd",
+    "sparseloco",
     "topk",
     "training",
     "wire",

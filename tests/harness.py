@@ -129,6 +129,26 @@ def flat(tree, device=None):
   return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in leaves])
 
 
+def one_step_of_normal_gradients(tx, params, seed):
+  """One step of ``tx`` on 8 devices of Gaussian gradients shaped like ``params``.
+
+  Returns ``(grads, mean, residuals)``: numpy ``[8, n]`` gradients and
+  residuals after the step (each device's row, leaves fused in tree order),
+  and device 0's mean ``[n]`` (the mean is checked to be the same on every
+  device).
+  """
+  mesh = training.make_mesh(8)
+  state = training.init_state(tx, params, mesh, "data")
+  rng = np.random.default_rng(seed)
+  grads = jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32), params)
+  out, new_state = jax.block_until_ready(training.make_update(tx, mesh, "data")(
+      training.shard(grads, mesh, "data"), state))
+  assert_same_on_devices(out)
+  rows = state_rows(tx, new_state, params)
+  stacked = lambda tree: np.stack([flat(tree, device) for device in range(8)])
+  return stacked(grads), flat(out, 0), stacked(rows.residual)
+
+
 def assert_same_on_devices(out):
   """Every leaf's rows (one per device) equal bit for bit."""
   for leaf in jax.tree.leaves(out):

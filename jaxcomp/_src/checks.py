@@ -179,6 +179,16 @@ def check_bucket_cap_mb(bucket_cap_mb) -> Optional[float]:
                       high_open=True, allow_none=True)
 
 
+def check_chunked(density, chunk_size, max_chunk: int, error_decay, bucket_cap_mb
+                  ) -> tuple[float, int, float, Optional[float]]:
+  """A chunked top-k compressor's arguments, checked: ``(density, chunk_size, error_decay,
+  bucket_cap_mb)``; ``chunk_size`` an int in ``[1, max_chunk]``, ``error_decay`` in [0, 1]."""
+  return (check_density(density),
+          check_number(chunk_size, "chunk_size", integer=True, low=1, high=max_chunk),
+          check_number(error_decay, "error_decay", low=0.0, high=1.0),
+          check_bucket_cap_mb(bucket_cap_mb))
+
+
 def check_seed(seed) -> int:
   """``seed`` must be an int in ``[0, 2**32)`` (a PRNG seed)."""
   return check_number(seed, "seed", integer=True, low=0, high=2**32, high_open=True)

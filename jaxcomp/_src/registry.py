@@ -20,10 +20,12 @@ import numpy as np
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import demo
 from jaxcomp._src import dgc
 from jaxcomp._src import dense
 from jaxcomp._src import lowrank
 from jaxcomp._src import signsgd
+from jaxcomp._src import sparseloco
 from jaxcomp._src import sparsify
 from jaxcomp._src import qsgd
 from jaxcomp._src import quantized
@@ -64,7 +66,8 @@ class Entry(NamedTuple):
 # paper, after warm-up), 1% for random-k (it needs more to converge), rank 4
 # for the low-rank methods (PowerSGD's ImageNet setting), 8 levels (4 bits) for
 # QSGD as in its paper's ImageNet runs, 8 bits for the integer quantizer
-# (INTELLECT-1's int8 all-reduce).
+# (INTELLECT-1's int8 all-reduce), 64 of every 4096 entries for SparseLoCo (its
+# paper's k = 64), 2 of every 64 DCT coefficients for DeMo.
 METHODS: dict[str, Entry] = {m.name: m for m in (
     Entry("allreduce", dense.allreduce, optax.EmptyState, {},
            "dense mean, the S-SGD baseline"),
@@ -84,6 +87,10 @@ METHODS: dict[str, Entry] = {m.name: m for m in (
            {"levels": 8}, "stochastic quantization, int8 levels"),
     Entry("quantized", quantized.quantized, quantized.QuantizedState,
            {"bits": 8}, "8- or 4-bit integers per block, summed in f32"),
+    Entry("sparseloco", sparseloco.sparseloco, sparseloco.SparseLoCoState,
+           {"density": 1 / 64}, "top-k per chunk, 2-bit values, decaying error feedback"),
+    Entry("demo", demo.demo, demo.DeMoState, {"density": 1 / 32},
+           "top-k DCT coefficients per chunk, decaying error feedback"),
     Entry("powersgd", lowrank.powersgd, lowrank.PowerSGDState, {"rank": 4},
            "rank-r power iteration"),
     Entry("acpsgd", lowrank.acpsgd, lowrank.ACPSGDState, {"rank": 4},

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp._src import checks
 from jaxcomp._src import collectives
 from jaxcomp._src import draws
 
@@ -424,3 +425,33 @@ def topk(
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
     return exact_topk(x, capacity, tuning=tuning)
   return select_topk(x, capacity)
+
+
+def chunks(n: int, chunk_size: int, density: float) -> tuple[int, int, int]:
+  """``(chunk, count, k)`` of a bucket of ``n`` entries cut into chunks for a per-chunk top-k.
+
+  ``chunk``: entries per chunk, ``min(chunk_size, n)``; ``count``: chunks,
+  the last one zero-padded; ``k = max(1, ceil(density * chunk))`` entries
+  kept in each.
+  """
+  chunk = min(chunk_size, n)
+  return chunk, -(-n // chunk), checks.num_selected(density, chunk)
+
+
+def chunked(x: jax.Array, chunk: int, count: int) -> jax.Array:
+  """A flat ``x`` zero-padded to ``count * chunk`` entries, one chunk per row: ``[count, chunk]``."""
+  return jnp.pad(x, (0, count * chunk - x.shape[0])).reshape(count, chunk)
+
+
+def topk_per_row(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``(values [m, k], int32 positions [m, k])``: each row's ``k`` entries of largest
+  magnitude, largest first, the lowest position first on a tie (``lax.top_k``)."""
+  _, positions = lax.top_k(jnp.abs(rows), k)
+  return jnp.take_along_axis(rows, positions, axis=1), positions
+
+
+def flat_positions(positions: jax.Array, chunk: int) -> jax.Array:
+  """Positions inside each row of ``[..., m, k]`` (any int dtype) as int32 positions in the
+  flat ``m * chunk`` layout of :func:`chunked`."""
+  starts = jnp.arange(positions.shape[-2], dtype=jnp.int32)[:, None] * chunk
+  return positions.astype(jnp.int32) + starts

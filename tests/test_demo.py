@@ -1,0 +1,65 @@
+"""DeMo's compressor against a numpy oracle of its rule (8 fake CPU devices)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+from jaxcomp._src import demo
+from jaxcomp._src import selection
+
+import harness
+
+PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 entries: a partial last chunk
+
+
+def _dct(size):
+  k, j = np.arange(size)[:, None], np.arange(size)[None, :]
+  d = np.sqrt(2.0 / size) * np.cos(np.pi * (2 * j + 1) * k / (2 * size))
+  d[0] /= np.sqrt(2.0)
+  return d
+
+
+def test_the_dct_matrix_is_orthonormal_and_its_first_row_averages():
+  d = np.asarray(demo.dct_matrix(16), np.float64)
+  np.testing.assert_allclose(d @ d.T, np.eye(16), atol=1e-6)
+  np.testing.assert_allclose(d, _dct(16), atol=1e-7)
+  x = np.arange(16.0)
+  np.testing.assert_allclose((d @ x)[0] / np.sqrt(16), x.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size,density", [(16, 0.25), (8, 0.125), (53, 0.05)])
+def test_mean_and_residual_equal_the_numpy_oracle(chunk_size, density):
+  decay = 0.9
+  tx = jaxcomp.demo(density, "data", chunk_size=chunk_size, error_decay=decay)
+  grads, mean, residuals = harness.one_step_of_normal_gradients(tx, PARAMS, chunk_size)
+  n = grads.shape[1]
+  chunk, chunks, k = selection.chunks(n, chunk_size, density)
+  d = _dct(chunk)
+  total = np.zeros((chunks, chunk))
+  for device in range(8):
+    coefficients = np.pad(grads[device], (0, chunks * chunk - n)).reshape(chunks, chunk) @ d.T
+    order = np.argsort(-np.abs(coefficients), axis=1, kind="stable")[:, :k]
+    kept = np.zeros_like(coefficients)
+    np.put_along_axis(kept, order, np.take_along_axis(coefficients, order, 1), axis=1)
+    total += kept / 8
+    sent = (kept @ d).reshape(-1)[:n]
+    np.testing.assert_allclose(residuals[device], decay * (grads[device] - sent),
+                               rtol=1e-4, atol=1e-5)
+  # f32 products and XLA's summation order against float64.
+  np.testing.assert_allclose(mean, (total @ d).reshape(-1)[:n], rtol=1e-4, atol=1e-5)
+
+
+def test_message_bytes_follow_the_formula():
+  # 53 entries in chunks of 16: 4 chunks, k = 4 each, 5 bytes per coefficient.
+  assert demo.message_bytes(53, 16, 0.25) == 4 * 4 * 5
+  assert demo.message_bytes(10, 64, 0.5) == 5 * 5  # one chunk of all 10
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="chunk_size"):
+    jaxcomp.demo(0.1, "data", chunk_size=257)
+  with pytest.raises(ValueError, match="error_decay"):
+    jaxcomp.demo(0.1, "data", error_decay=-0.1)
+  with pytest.raises(ValueError, match="density"):
+    jaxcomp.demo(1.5, "data")
