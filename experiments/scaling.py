@@ -22,6 +22,10 @@ with:
    Gbit/s between), 4 to 512 nodes; each method flat, on the 2D torus and
    hierarchical (:func:`jaxcomp.hierarchical`: compressed on the slow links
    only), and what :func:`jaxcomp.costmodel.recommend` picks.
+5. DiLoCo on the transformer, nodes of 8: synchronous data parallelism
+   (dense and int8 through :func:`jaxcomp.hierarchical`) against DiLoCo
+   (dense, int4 and SparseLoCo outer gradients every 30 steps), per inner
+   step (:func:`jaxcomp.costmodel.predict_diloco`).
 
 The per-step computation is *given*, not measured (``--compute-s``: forward
 and backward of one worker, a GPU figure), and the compression computation
@@ -149,11 +153,109 @@ def two_level_table(args) -> dict:
   return out
 
 
+DILOCO_NODES = (4, 16, 64, 256)
+DILOCO_SYNC_PERIOD = 30
+# (label, mode, compressor, its arguments): "sync" exchanges every step through
+# jaxcomp.hierarchical, "diloco" every DILOCO_SYNC_PERIOD steps.
+DILOCO_COLUMNS = (
+    ("sync dense", "sync", "allreduce", {}),
+    ("sync int8", "sync", "quantized", {"bits": 8}),
+    ("DiLoCo dense", "diloco", "allreduce", {}),
+    ("DiLoCo int4", "diloco", "quantized", {"bits": 4}),
+    ("DiLoCo SparseLoCo", "diloco", "sparseloco", {"density": 1 / 64}),
+)
+
+
+def diloco_table(args) -> dict:
+  """The transformer on nodes of ``--node-size``: synchronous against DiLoCo, per inner step.
+
+  The inner step exchanges densely inside a node every step; a DiLoCo sync
+  costs its outer compressor's formula once every H steps
+  (:func:`jaxcomp.costmodel.predict_diloco`), its compression compute on each
+  device's 1/8 shard once every H steps too.
+  """
+  import jaxcomp
+  from jaxcomp import training
+
+  params = MODELS["transformer"]()
+  n = shapes.num_params(params)
+  out = {}
+  for bandwidth in (1.0, 10.0, 100.0):
+    latency = args.ethernet_latency_us if bandwidth < 100 else args.fast_latency_us
+    network = ({"dcn": bandwidth, "ici": args.node_gbit},
+               {"dcn": latency, "ici": args.node_latency_us})
+    rows = {}
+    for nodes in DILOCO_NODES:
+      mesh_shape = {"dcn": nodes, "ici": args.node_size}
+      row = {}
+      for label, mode, name, config in DILOCO_COLUMNS:
+        compressor = registry.build(name, "dcn", **config)
+        compression = compute.compression_s(name, n) / args.node_size
+        if mode == "sync":
+          seconds = costmodel.predict(
+              jaxcomp.hierarchical(compressor, "ici", args.node_size), params, mesh_shape,
+              *network, compute_s=args.compute_s["transformer"] + compression)
+          slow = _slow_bytes(costmodel_transfers(compressor, params, mesh_shape, args))
+        else:
+          cost = training.diloco_transfers(
+              params, mesh_shape, slow_axis="dcn", fast_axis="ici",
+              sync_period=DILOCO_SYNC_PERIOD, inner_tx=jaxcomp.allreduce("ici"),
+              outer_compressor=compressor)
+          seconds = costmodel.predict_diloco(
+              cost, *network,
+              compute_s=args.compute_s["transformer"] + compression / DILOCO_SYNC_PERIOD)
+          slow = float(cost.per_inner_step().by_axes.get(("dcn",), 0))
+        row[label] = {"step_s": seconds, "slow_bytes": slow}
+      rows[nodes] = row
+    out[bandwidth] = rows
+  return out
+
+
+def costmodel_transfers(compressor, params, mesh_shape, args):
+  """The transfers of ``compressor`` over the slow axis inside :func:`jaxcomp.hierarchical`."""
+  import jaxcomp
+  from jaxcomp import wire
+
+  return wire.transfers(jaxcomp.hierarchical(compressor, "ici", args.node_size), params,
+                        mesh_shape)
+
+
+def _slow_bytes(cost) -> float:
+  return float(sum(t.bytes * t.weight for t in cost if t.axes and "dcn" in t.axes))
+
+
 def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:,.1f}"
 
 
-def markdown(args, sparse, lowrank, torus, two_level) -> str:
+def diloco_markdown(args, diloco) -> list[str]:
+  labels = [label for label, *_ in DILOCO_COLUMNS]
+  lines = [
+      "",
+      f"## 5. Low-communication training: DiLoCo (transformer, nodes of {args.node_size})",
+      "",
+      f"Per inner step (ms), the transformer's {args.transformer_compute_s:g} s of compute"
+      " included: *sync*, `jaxcomp.hierarchical` every step (dense inside a node, the"
+      " compressor between nodes on each device's 1/8 shard); *DiLoCo*, a dense mean"
+      f" inside the node every step and every H = {DILOCO_SYNC_PERIOD} steps the"
+      " pseudo-gradient through the compressor between nodes"
+      " (`costmodel.predict_diloco` of `training.diloco_transfers`). Links as in table 4."
+      " In brackets: slow-link bytes per device per inner step.",
+      "",
+      "| between nodes | nodes | " + " | ".join(labels) + " | sync dense / best DiLoCo |",
+      "|---|---|" + "---|" * (len(labels) + 1),
+  ]
+  for bandwidth, rows in diloco.items():
+    for nodes, row in rows.items():
+      best = min(row[l]["step_s"] for l in labels if l.startswith("DiLoCo"))
+      lines.append(
+          f"| {bandwidth:g} Gbit/s | {nodes} | " + " | ".join(
+              f"{_ms(row[l]['step_s'])} ({row[l]['slow_bytes'] / 1e6:,.2f} MB)" for l in labels)
+          + f" | {row['sync dense']['step_s'] / best:.1f}x |")
+  return lines
+
+
+def markdown(args, sparse, lowrank, torus, two_level, diloco=None) -> str:
   lines = [
       "# Scaling by the cost model",
       "",
@@ -305,6 +407,8 @@ def markdown(args, sparse, lowrank, torus, two_level) -> str:
       " round between nodes. The dense torus is the hierarchical dense exchange"
       " (reduce-scatter inside, all-reduce between, all-gather inside).",
   ]
+  if diloco is not None:
+    lines += diloco_markdown(args, diloco)
   return "\n".join(lines) + "\n"
 
 
@@ -383,12 +487,13 @@ def main(argv=None) -> None:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   sparse, lowrank, torus = sparse_table(args), lowrank_table(args), torus_table(args)
-  two_level = two_level_table(args)
-  text = markdown(args, sparse, lowrank, torus, two_level)
+  two_level, diloco = two_level_table(args), diloco_table(args)
+  text = markdown(args, sparse, lowrank, torus, two_level, diloco)
   (out / "scaling.md").write_text(text)
   (out / "scaling.json").write_text(json.dumps(
       {"config": {k: v for k, v in vars(args).items() if k != "out"},
-       "sparse": sparse, "lowrank": lowrank, "torus": torus, "two_level": two_level},
+       "sparse": sparse, "lowrank": lowrank, "torus": torus, "two_level": two_level,
+       "diloco": diloco},
       indent=1,
   ) + "\n")
   plot(sparse, torus, out)

@@ -7,6 +7,7 @@ from jaxcomp._src.costmodel import LAYOUTS as LAYOUTS
 from jaxcomp._src.costmodel import steps as steps
 from jaxcomp._src.costmodel import exchange_time as exchange_time
 from jaxcomp._src.costmodel import predict as predict
+from jaxcomp._src.costmodel import predict_diloco as predict_diloco
 from jaxcomp._src.costmodel import recommend as recommend
 
 __all__ = (
@@ -15,6 +16,7 @@ __all__ = (
     "Network",
     "NumDevices",
     "predict",
+    "predict_diloco",
     "recommend",
     "Recommendation",
     "steps",

@@ -48,6 +48,7 @@ from jaxcomp._src.diloco import DiLoCoTransfers as DiLoCoTransfers
 from jaxcomp._src.diloco import FragmentState as FragmentState
 from jaxcomp._src.diloco import fragments as diloco_fragments
 from jaxcomp._src.diloco import make_diloco_step as make_diloco_step
+from jaxcomp._src.diloco import transfers as diloco_transfers
 from jaxcomp._src.checkpoint import save_checkpoint as save_checkpoint
 from jaxcomp._src.checkpoint import restore_checkpoint as restore_checkpoint
 from jaxcomp._src.large_batch import BatchSizeSchedule as BatchSizeSchedule
@@ -66,6 +67,7 @@ __all__ = (
     "compile_batch_sizes",
     "device_rows",
     "diloco_fragments",
+    "diloco_transfers",
     "DiLoCoState",
     "DiLoCoStep",
     "DiLoCoTransfers",

@@ -185,21 +185,24 @@ def test_a_nan_inner_gradient_skips_its_group_only_and_a_nan_sync_skips_everywhe
   assert not np.array_equal(synced_rows.params["v"][4:], synced_rows.anchor["v"][4:])
 
 
-def test_resuming_a_checkpoint_mid_period_goes_on_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("saved_at", [3, 4])  # mid-period; right after fragment 0's sync
+def test_resuming_a_checkpoint_goes_on_bit_for_bit(tmp_path, saved_at):
   params, batches = _problem()
   make = lambda: _step(num_fragments=2, outer_compressor=jaxcomp.quantized(4, "dcn"))
   step = make()
-  state, _ = _run(step, params, batches[:3])
-  training.save_checkpoint(tmp_path / "ckpt", {}, state, step=3)
-  straight, _ = _run(step, params, batches[3:9], state=state)
+  state, _ = _run(step, params, batches[:saved_at])
+  training.save_checkpoint(tmp_path / "ckpt", {}, state, step=saved_at)
+  straight, _ = _run(step, params, batches[saved_at:9], state=state)
 
   resumed_step = make()
   like = resumed_step.init(params)
   _, restored, t = training.restore_checkpoint(tmp_path / "ckpt", {}, like, resumed_step.mesh,
                                                AXES)
-  assert t == 3
-  resumed, history = _run(resumed_step, params, batches[3:9], state=restored)
-  assert [m["synced"] for _, m in history] == [0, None, 1, None, 0, None]
+  assert t == saved_at
+  resumed, history = _run(resumed_step, params, batches[saved_at:9], state=restored)
+  # Steps t = 1 .. 9 sync fragment 0 when t % 4 == 0 and fragment 1 when t % 4 == 2.
+  schedule = [None, 1, None, 0, None, 1, None, 0, None]
+  assert [m["synced"] for _, m in history] == schedule[saved_at:]
   for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -262,3 +265,48 @@ def test_bad_arguments_are_named():
     build(fsdp=True).init(params)
   with pytest.raises(ValueError, match="call `init` first"):
     build()(training.DiLoCoState({}, (), {}, (), jnp.zeros(8, jnp.int32)), None)
+
+
+def test_the_cost_model_prices_an_inner_step_and_a_sync_spread_over_h():
+  from jaxcomp import costmodel
+
+  params, _ = _problem()
+  step = _step(num_fragments=2, outer_compressor=jaxcomp.quantized(4, "dcn"))
+  expected = step.transfers(params)
+  # The formulas need no mesh: the same for a mesh of any size.
+  assert training.diloco_transfers(
+      params, {"dcn": 2, "ici": 4}, slow_axis="dcn", fast_axis="ici", sync_period=4,
+      inner_tx=optax.chain(jaxcomp.allreduce("ici"), optax.adam(1e-2)),
+      outer_compressor=jaxcomp.quantized(4, "dcn"), num_fragments=2) == expected
+  bandwidth, latency = {"dcn": 1.0, "ici": 100.0}, {"dcn": 50.0, "ici": 2.0}
+  seconds = costmodel.predict_diloco(expected, bandwidth, latency, compute_s=0.01)
+  sync = sum(costmodel.exchange_time(c, bandwidth, latency) for c in expected.outer)
+  assert seconds == pytest.approx(
+      0.01 + costmodel.exchange_time(expected.inner, bandwidth, latency) + sync / 4)
+  big = training.diloco_transfers(params, {"dcn": 64, "ici": 8}, slow_axis="dcn",
+                                  fast_axis="ici", sync_period=30)
+  # A dense outer mean over 64 groups of 8: each device all-reduces its 1/8 shard.
+  shard = sum(-(-x.shape[0] // 8) * (x.shape[1] if x.ndim == 2 else 1)
+              for x in jax.tree.leaves(params))
+  assert big.per_inner_step().by_axes[("dcn",)] == pytest.approx(2 * 63 / 64 * 4 * shard / 30)
+  with pytest.raises(ValueError, match="must divide"):
+    training.diloco_transfers(params, {"dcn": 2}, slow_axis="dcn", sync_period=4,
+                              num_fragments=3)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_scalar_leaves_come_back_whole(fsdp):
+  params = {"w": np.ones((4, 3), np.float32), "s": np.float32(0.5)}
+  loss = lambda p, batch: jnp.mean((batch[0] @ p["w"]).sum(-1) * p["s"] - batch[1]) ** 2
+  inner = optax.sgd(0.1) if fsdp else optax.chain(jaxcomp.allreduce("ici"), optax.sgd(0.1))
+  step = training.make_diloco_step(loss, inner, _mesh(), slow_axis="dcn", fast_axis="ici",
+                                   sync_period=2, fsdp=fsdp)
+  _, batches = _problem()
+  state = step.init(params)
+  for x, y in batches[:2]:
+    state, _ = step(state, training.shard((x[:, :4], y), step.mesh, AXES))
+  synced = step.global_params(state)
+  assert synced["s"].shape == () and synced["w"].shape == (4, 3)
+  assert synced["s"] != 0.5
+  for group in (0, 1):
+    np.testing.assert_array_equal(step.group_params(state, group)["w"], synced["w"])

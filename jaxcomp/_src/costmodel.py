@@ -168,6 +168,34 @@ def predict(
   return compute_s + exchange_time(cost, bandwidth_gbit, latency_us)
 
 
+def predict_diloco(
+    cost: Any,
+    bandwidth_gbit: Network,
+    latency_us: Network,
+    compute_s: float = 0.0,
+) -> float:
+  """Seconds per inner step of a DiLoCo run on a two-level network.
+
+  ``compute_s`` and the inner step's exchange every step, plus each
+  fragment's sync once every ``H`` steps, none of it overlapped (a
+  Streaming DiLoCo sync that overlaps the next inner steps costs less).
+
+  Args:
+    cost: the run's :class:`jaxcomp.training.DiLoCoTransfers`
+      (:func:`jaxcomp.training.diloco_transfers` for a mesh of any size, or
+      ``step.transfers(params)``).
+    bandwidth_gbit: one per mesh axis (``{"dcn": 10.0, "ici": 400.0}``), or
+      one for all links; see :func:`exchange_time`.
+    latency_us: likewise, in microseconds.
+    compute_s: seconds of an inner step's computation.
+  """
+  if not compute_s >= 0:
+    raise ValueError(f"`compute_s` must be in [0, inf), got {compute_s}")
+  syncs = sum(exchange_time(c, bandwidth_gbit, latency_us) for c in cost.outer)
+  return (compute_s + exchange_time(cost.inner, bandwidth_gbit, latency_us)
+          + syncs / cost.sync_period)
+
+
 LAYOUTS = ("flat", "torus", "hierarchical")
 
 

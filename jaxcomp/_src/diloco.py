@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +142,17 @@ def fragments(params: optax.Params, num_fragments: int) -> tuple[tuple[int, ...]
   return tuple(tuple(sorted(m)) for m in members)
 
 
+def _device_block(x: jax.Array, device: int, shape: tuple[int, ...]) -> np.ndarray:
+  """Device ``device``'s block of a per-device leaf, shaped ``shape``, on the host."""
+  rows = shape[0] if shape else 1
+  if not math.prod(shape):
+    return np.zeros(shape, x.dtype)
+  for held in getattr(x, "addressable_shards", ()):
+    if (held.index[0].start or 0) == device * rows and held.data.shape[0] == rows:
+      return np.asarray(held.data).reshape(shape)
+  return np.asarray(x)[device * rows:(device + 1) * rows].reshape(shape)
+
+
 def _take(tree: optax.Params, indices: tuple[int, ...]) -> tuple:
   leaves = jax.tree.leaves(tree)
   return tuple(leaves[i] for i in indices)
@@ -186,9 +197,7 @@ class DiLoCoStep:
     self.count = layout.num_replicas(mesh, self.axes)
     # Replicated inside a group, every device sends its own shard of the
     # group's pseudo-gradient; with FSDP it holds only its shard already.
-    self.outer_compressor = (
-        hierarchical.hierarchical(outer_compressor, fast_axis, self.fast_size, fast_reduce=False)
-        if fast_axis is not None and not use_fsdp else outer_compressor)
+    self.outer_compressor = outer_exchange(outer_compressor, fast_axis, self.fast_size, use_fsdp)
     self.outer_tx = optax.chain(self.outer_compressor, outer_optimizer)
     self._whole = None
     self._programs: dict = {}
@@ -259,13 +268,15 @@ class DiLoCoStep:
     return self._whole_of(state.anchor, 0)
 
   def _whole_of(self, tree, group: int):
-    local = self.like.params
+    """Host copies of ``group``'s whole parameters out of a per-device ``tree``, read
+    from the devices' own blocks (no program runs)."""
+    first = group * self.fast_size
     if not self.fsdp:
-      return layout.local_state(tree, group * self.fast_size, local)
-    rows = layout.device_rows(tree, local)
+      return jax.tree.map(lambda x, l: _device_block(x, first, l.shape), tree, self.like.params)
     blocks = jax.tree.map(
-        lambda x: jnp.concatenate(
-            list(x[group * self.fast_size:(group + 1) * self.fast_size]), axis=0), rows)
+        lambda x, l: np.concatenate([_device_block(x, d, l.shape)
+                                     for d in range(first, first + self.fast_size)]),
+        tree, self.like.params)
     return fsdp.gather_params(blocks, self._whole)
 
   # ------------------------------------------------------------ programs
@@ -401,24 +412,86 @@ class DiLoCoStep:
 
   def transfers(self, params: optax.Params) -> DiLoCoTransfers:
     """What each kind of step sends per device, by the formulas (``params``: whole, or shapes)."""
-    self._bind(params)
-    sizes = dict(self.mesh.shape)
-    fast = {} if self.fast_axis is None else {self.fast_axis: self.fast_size}
-    if self.fsdp:
-      padded = self.fast_size * sum(math.prod(s.shape) for s in jax.tree.leaves(self.local_params))
-      inner = hierarchical.dense_transfers(padded, self.fast_axis, self.fast_size) + (
-          hierarchical.skip_flag(self.fast_axis, self.fast_size),)
-    else:
-      inner = (wire.transfers(self.inner_tx, self.local_params, fast)
-               if protocol.find_compressors(self.inner_tx, self.local_params) else ())
-    outer = []
-    for members in self.fragments:
-      cost = wire.transfers(self.outer_compressor, _take(self.local_params, members),
-                            {a: sizes[a] for a in protocol.spec(self.outer_compressor).axes})
-      if self.fsdp:
-        cost += (hierarchical.skip_flag(self.fast_axis, self.fast_size),)
-      outer.append(cost)
-    return DiLoCoTransfers(inner=inner, outer=tuple(outer), sync_period=self.sync_period)
+    return transfers(params, dict(self.mesh.shape), slow_axis=self.slow_axis,
+                     sync_period=self.sync_period, fast_axis=self.fast_axis,
+                     inner_tx=self.inner_tx, outer_compressor=self.outer_compressor,
+                     num_fragments=self.num_fragments, fsdp=self.fsdp, wrapped=True)
+
+
+def outer_exchange(outer_compressor, fast_axis: Optional[str], fast_size: int, use_fsdp: bool):
+  """The outer compressor as each device runs it: on its own row-block shard of a group's
+  pseudo-gradient (:func:`jaxcomp.hierarchical` without the reduce-scatter), or with FSDP
+  (or no fast axis) on what it holds."""
+  if fast_axis is None or use_fsdp:
+    return outer_compressor
+  return hierarchical.hierarchical(outer_compressor, fast_axis, fast_size, fast_reduce=False)
+
+
+def transfers(
+    params: optax.Params,
+    mesh_shape: Mapping[str, int],
+    *,
+    slow_axis: str,
+    sync_period: int,
+    fast_axis: Optional[str] = None,
+    inner_tx: Optional[optax.GradientTransformation] = None,
+    outer_compressor: Optional[optax.GradientTransformation] = None,
+    num_fragments: int = 1,
+    fsdp: bool = False,
+    wrapped: bool = False,
+) -> DiLoCoTransfers:
+  """What a :func:`make_diloco_step` run sends per device, by the formulas, without a mesh.
+
+  Args:
+    params: the whole parameters, or their shapes.
+    mesh_shape: the size of each mesh axis, e.g. ``{"dcn": 64, "ici": 8}``.
+    slow_axis, sync_period, fast_axis, num_fragments, fsdp: as for
+      :func:`make_diloco_step`.
+    inner_tx: the inner transformation (``None``: one that sends nothing,
+      e.g. a plain optimizer with one device per group).
+    outer_compressor: built over ``slow_axis`` (``None``: the dense mean).
+    wrapped: ``outer_compressor`` is already :func:`outer_exchange`'s.
+
+  Returns:
+    :class:`DiLoCoTransfers` (the cost model prices it:
+    :func:`jaxcomp.costmodel.predict_diloco`).
+  """
+  sync_period, num_fragments = _check_schedule(sync_period, num_fragments)
+  fast_size = 1 if fast_axis is None else mesh_shape[fast_axis]
+  if outer_compressor is None:
+    outer_compressor = dense.allreduce(slow_axis)
+  if not wrapped:
+    outer_compressor = outer_exchange(outer_compressor, fast_axis, fast_size, fsdp)
+  whole = protocol.abstract(params)
+  local = hierarchical.shard_shapes(whole, fast_size) if fsdp else whole
+  if fsdp:
+    padded = fast_size * sum(math.prod(s.shape) for s in jax.tree.leaves(local))
+    inner = hierarchical.dense_transfers(padded, fast_axis, fast_size) + (
+        hierarchical.skip_flag(fast_axis, fast_size),)
+  elif inner_tx is not None and protocol.find_compressors(inner_tx, local):
+    inner = wire.transfers(inner_tx, local, {fast_axis: fast_size})
+  else:
+    inner = ()
+  axes = protocol.spec(outer_compressor).axes
+  outer = []
+  for members in fragments(whole, num_fragments):
+    cost = wire.transfers(outer_compressor, _take(local, members),
+                          {a: mesh_shape[a] for a in axes})
+    if fsdp:  # the shards' skip decision, agreed over the fast axis
+      cost += (hierarchical.skip_flag(fast_axis, fast_size),)
+    outer.append(cost)
+  return DiLoCoTransfers(inner=inner, outer=tuple(outer), sync_period=sync_period)
+
+
+def _check_schedule(sync_period, num_fragments) -> tuple[int, int]:
+  sync_period = checks.check_number(sync_period, "sync_period", integer=True, low=1)
+  num_fragments = checks.check_number(num_fragments, "num_fragments", integer=True, low=1)
+  if sync_period % num_fragments:
+    raise ValueError(
+        f"`num_fragments` ({num_fragments}) must divide `sync_period` ({sync_period}):"
+        " fragment f syncs on the steps t with t % sync_period == f * sync_period /"
+        " num_fragments")
+  return sync_period, num_fragments
 
 
 def _check_inner(inner_tx, local_params, slow_axis, fast_axis, fast_size, use_fsdp) -> None:
@@ -510,13 +583,7 @@ def make_diloco_step(
       of other axes, an ``inner_tx`` that crosses the slow axis or (with a
       fast axis) does not average over it.
   """
-  sync_period = checks.check_number(sync_period, "sync_period", integer=True, low=1)
-  num_fragments = checks.check_number(num_fragments, "num_fragments", integer=True, low=1)
-  if sync_period % num_fragments:
-    raise ValueError(
-        f"`num_fragments` ({num_fragments}) must divide `sync_period` ({sync_period}):"
-        " fragment f syncs on the steps t with t % sync_period == f * sync_period /"
-        " num_fragments")
+  sync_period, num_fragments = _check_schedule(sync_period, num_fragments)
   fsdp = checks.check_bool(fsdp, "fsdp")
   if not isinstance(slow_axis, str) or not slow_axis:
     raise TypeError(f"`slow_axis` must be a mesh axis name (str), got {slow_axis!r}")
