@@ -1,0 +1,63 @@
+"""`python -m experiments.compare --task lm` on tiny settings: outputs, bytes, goals."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import lm
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("lm")
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.compare", "--task", "lm", "--runs",
+       "sync-dense,diloco-dense,diloco-quantized4", "--steps", "12", "--eval-every", "6",
+       "--sync-period", "6", "--out", str(out), "--no-progress"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return out, done.stdout
+
+
+def test_writes_the_table_the_json_and_both_plots(lm_run):
+  out, stdout = lm_run
+  assert {p.name for p in out.iterdir()} == {
+      "lm.json", "lm.md", "lm_loss_vs_step.png", "lm_loss_vs_slow_bytes.png"}
+  report = json.loads((out / "lm.json").read_text())
+  assert list(report["runs"]) == ["sync-dense", "diloco-dense", "diloco-quantized4"]
+  assert report["config"]["steps"] == 12 and report["config"]["sync_period"] == 6
+  for row in report["runs"].values():
+    assert [h["step"] for h in row["history"]] == [6, 12]
+    assert row["val_loss"] == row["history"][-1]["val_loss"] > 0
+    assert row["bytes_match_formula"] and row["bytes_by_axes"] == row["bytes_by_axes_formula"]
+  assert "| diloco-dense | 6 |" in (out / "lm.md").read_text()
+  assert "## Goals" in stdout
+
+
+def test_diloco_dense_sends_h_times_fewer_slow_link_bytes_than_synchronous_dense(lm_run):
+  report = json.loads((lm_run[0] / "lm.json").read_text())
+  sync, diloco = report["runs"]["sync-dense"], report["runs"]["diloco-dense"]
+  # Both all-reduce each device's quarter of the gradient over the two groups.
+  assert sync["slow_bytes_per_step"] == diloco["slow_bytes_per_step"] * 6
+  assert diloco["slow_bytes_reduction"] == 6
+  assert sync["fast_bytes_per_step"] > 0 and diloco["fast_bytes_per_step"] > 0
+  quantized = report["runs"]["diloco-quantized4"]
+  assert quantized["slow_bytes_per_step"] < diloco["slow_bytes_per_step"] / 6
+
+
+def test_the_corpus_holds_out_every_tenth_module():
+  train, validation = lm.corpus()
+  assert len(lm.MODULES) == 75 and list(lm.MODULES) == sorted(lm.MODULES)
+  assert 0.05 < len(validation) / (len(train) + len(validation)) < 0.2
+  x, y = lm.eval_windows(validation, 16, 8)
+  assert x.shape == y.shape == (8, 16) and (x[:, 1:] == y[:, :-1]).all()
+
+
+def test_unknown_runs_are_refused_by_name():
+  with pytest.raises(SystemExit):
+    lm.config_from_args(["--runs", "diloco-nothing"])
