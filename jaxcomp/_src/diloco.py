@@ -243,8 +243,9 @@ class DiLoCoStep:
       return layout.tile_per_device(self._local_init(params), self.mesh, self.axes)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.local_params)
     state = layout.tile_per_device(self._local_init(zeros), self.mesh, self.axes)
-    shards = self._per_device_shards(params)
-    return state._replace(params=shards, anchor=self._per_device_shards(params))
+    # Two copies: both are donated to the steps.
+    return state._replace(params=self._per_device_shards(params),
+                          anchor=self._per_device_shards(params))
 
   def _per_device_shards(self, params: optax.Params) -> optax.Params:
     """Every device's row blocks of ``params``, in the per-device layout over both axes."""
