@@ -88,7 +88,6 @@ SPARSELOCO_OUTER = (("learning_rate", 1.0),)
 SYNC_PERIOD = 30
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One run of the job: synchronous (``sync``) or DiLoCo (``diloco``) through ``compressor``.
@@ -96,7 +95,7 @@ class Run:
   ``compressor`` (a registry name, ``"allreduce"`` the dense mean) runs over
   the slow axis with ``arguments``; DiLoCo's outer optimizer is
   ``optax.sgd(**outer)`` every ``sync_period`` steps (``None``: the job's
-  ``--sync-period``).
+  ``--sync-period``), in ``num_fragments`` staggered fragments.
   """
   mode: str
   compressor: str
@@ -218,9 +217,9 @@ class _Sync:
     formula = wire.expected_bytes(self.exchange, self.model.params, dict(self.mesh.shape)).by_axes
     return measured, formula
 
-  def __call__(self, batch) -> tuple[np.ndarray, bool]:
+  def __call__(self, batch) -> np.ndarray:
     self.params, self.state, metrics = self.step(self.params, self.state, batch)
-    return np.asarray(metrics["loss"]), False
+    return np.asarray(metrics["loss"])
 
   def eval_params(self):
     # One device's copy on the host: evaluated once, not on every device.
@@ -257,9 +256,9 @@ class _DiLoCo:
     formula = self.step.transfers(self.model.params).per_inner_step().by_axes
     return measured, formula
 
-  def __call__(self, batch) -> tuple[np.ndarray, bool]:
+  def __call__(self, batch) -> np.ndarray:
     self.state, metrics = self.step(self.state, batch)
-    return np.asarray(metrics["loss"]), metrics["synced"] is not None
+    return np.asarray(metrics["loss"])
 
   def eval_params(self):
     return self.step.global_params(self.state)
@@ -292,10 +291,11 @@ def train_run(name: str, config: Config, model, train_stream, eval_xy, mesh,
   started = time.perf_counter()
   for i in range(config.steps):
     tick = time.perf_counter()
-    loss, _ = run(batch)  # the loss on the host: every step waited for
+    loss = run(batch)  # on the host: every step waited for
     times.append(time.perf_counter() - tick)
     if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
       val_loss, _ = evaluate(run.eval_params(), *eval_xy)
+      # Bytes sent so far at the average per inner step (a sync's arrive in bursts).
       history.append({"step": i + 1, "train_loss": float(np.mean(loss)),
                       "val_loss": float(val_loss),
                       "slow_bytes": float(slow * (i + 1)), "fast_bytes": float(fast * (i + 1))})

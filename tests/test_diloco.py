@@ -185,6 +185,21 @@ def test_a_nan_inner_gradient_skips_its_group_only_and_a_nan_sync_skips_everywhe
   assert not np.array_equal(synced_rows.params["v"][4:], synced_rows.anchor["v"][4:])
 
 
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_with_skip_scope_all_a_nan_inner_gradient_skips_every_group(fsdp):
+  params, batches = _problem()
+  step = _step(fsdp=fsdp, skip_scope="all")
+  x, y = batches[0]
+  bad = x.copy()
+  bad[5] = np.nan  # device 0's part: group 0
+  _, history = _run(step, params, [batches[1], (bad, y)])
+  before, after = history[0][0], history[1][0]
+  assert not np.asarray(history[1][1]["finite"]).any()
+  for got, want in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params)):
+    np.testing.assert_array_equal(got, want)
+  assert np.asarray(after.step).tolist() == [2] * 8
+
+
 @pytest.mark.parametrize("saved_at", [3, 4])  # mid-period; right after fragment 0's sync
 def test_resuming_a_checkpoint_goes_on_bit_for_bit(tmp_path, saved_at):
   params, batches = _problem()
@@ -207,15 +222,16 @@ def test_resuming_a_checkpoint_goes_on_bit_for_bit(tmp_path, saved_at):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("fsdp,outer", [
-    (False, lambda: jaxcomp.allreduce("dcn")),
-    (False, lambda: jaxcomp.quantized(4, "dcn")),
-    (False, lambda: jaxcomp.powersgd(1, "dcn")),
-    (True, lambda: jaxcomp.topk(0.2, "dcn")),
+@pytest.mark.parametrize("fsdp,outer,scope", [
+    (False, lambda: jaxcomp.allreduce("dcn"), "group"),
+    (False, lambda: jaxcomp.quantized(4, "dcn"), "all"),
+    (False, lambda: jaxcomp.powersgd(1, "dcn"), "group"),
+    (True, lambda: jaxcomp.topk(0.2, "dcn"), "group"),
+    (True, lambda: jaxcomp.sparseloco(0.2, "dcn"), "all"),
 ])
-def test_bytes_of_every_program_equal_the_formula_per_axis(fsdp, outer):
+def test_bytes_of_every_program_equal_the_formula_per_axis(fsdp, outer, scope):
   params, batches = _problem()
-  step = _step(fsdp=fsdp, num_fragments=2, outer_compressor=outer())
+  step = _step(fsdp=fsdp, num_fragments=2, outer_compressor=outer(), skip_scope=scope)
   state = step.init(params)
   batch = training.shard(batches[0], step.mesh, AXES)
   expected = step.transfers(params)
@@ -225,7 +241,10 @@ def test_bytes_of_every_program_equal_the_formula_per_axis(fsdp, outer):
     cost = expected.inner if fragment is None else expected.outer[fragment]
     assert wire.collective_bytes(program, mesh_shape=sizes).by_axes == wire.tally(cost).by_axes
   slow = expected.per_inner_step().by_axes[("dcn",)]
-  assert slow == sum(wire.tally(c).by_axes[("dcn",)] for c in expected.outer) / 4
+  assert slow == (wire.tally(expected.inner).by_axes.get(("dcn",), 0)
+                  + sum(wire.tally(c).by_axes[("dcn",)] for c in expected.outer) / 4)
+  # With skip_scope="all" each inner step sends its int32 skip flag over the slow links.
+  assert (scope == "all") == any("dcn" in t.axes for t in expected.inner)
 
 
 def test_an_outer_compressor_with_forms_gets_one_program_per_form():
@@ -263,6 +282,8 @@ def test_bad_arguments_are_named():
     build(inner=optax.adam(1e-2)).init(params)
   with pytest.raises(ValueError, match="reduce-scattered"):
     build(fsdp=True).init(params)
+  with pytest.raises(ValueError, match="skip_scope"):
+    build(skip_scope="everywhere")
   with pytest.raises(ValueError, match="call `init` first"):
     build()(training.DiLoCoState({}, (), {}, (), jnp.zeros(8, jnp.int32)), None)
 

@@ -1,6 +1,6 @@
 """Reliability of every registered compressor, trained end to end on 8 fake CPU devices.
 
-For every compressor and layout one run of 200 steps of a small MLP records
+For every compressor and layout one run of 120 steps of a small MLP records
 what the tests read. The layouts: a ring of 8 on axis ``data`` and a 2x4
 torus on ``("x", "y")`` (:func:`jaxcomp.training.make_step`); on a 2x4 mesh
 ``("dcn", "ici")``, the compressor on the slow axis only, with replicated
@@ -8,7 +8,7 @@ parameters (:func:`jaxcomp.hierarchical`, ``hierarchical``) and with the
 parameters sharded over the fast axis (:func:`jaxcomp.training.make_fsdp_step`,
 ``fsdp``). Recorded:
 
-* the parameters on every device at steps 100 and 200 (replica sync);
+* the parameters on every device at steps 100 and 120 (replica sync);
 * how often the step was traced (compile once, DGC's warm-up and ACP-SGD's
   alternation included);
 * a non-finite gradient on one device at step ``BAD_STEP`` (Inf on the torus,
@@ -46,7 +46,7 @@ import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
 
-STEPS = 200
+STEPS = 120
 CHECKPOINT_STEP = 50
 RESUME_STEPS = 50
 BAD_STEP = 20
@@ -238,12 +238,14 @@ def test_replicas_stay_bitwise_identical(run, name, mesh_name):
       for device in range(1, leaf.shape[0]):
         np.testing.assert_array_equal(
             leaf[device], leaf[twin(device)], err_msg=f"step {step}, device {device}")
-  first, last = record["loss"][BAD_STEP + 2].mean(), record["loss"][STEPS].mean()
-  assert last < first, f"{name} did not learn: loss {first} -> {last}"
+  # The first ten steps against the last ten: one step's loss on its own batch is noisy.
+  window = lambda start: np.mean([record["loss"][s].mean() for s in range(start, start + 10)])
+  first, last = window(1), window(STEPS - 9)
+  assert last < first, f"{name} did not learn: mean loss {first} -> {last}"
 
 
 @pytest.mark.parametrize("name,mesh_name", CASES)
-def test_compiles_once_per_form_over_200_steps(run, name, mesh_name):
+def test_compiles_once_per_form_over_the_run(run, name, mesh_name):
   """One program per form of the step, picked on the host: ACP-SGD's P and Q
   steps, DGC's four warm-up stages and the steady state."""
   record = run(name, mesh_name)

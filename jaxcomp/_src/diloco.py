@@ -179,7 +179,7 @@ class DiLoCoStep:
 
   def __init__(self, loss_fn, inner_tx, outer_compressor, outer_optimizer, mesh, slow_axis,
                fast_axis, sync_period, num_fragments, use_fsdp, has_aux, donate,
-               skip_nonfinite):
+               skip_nonfinite, skip_scope):
     self.mesh = mesh
     self.slow_axis = slow_axis
     self.fast_axis = fast_axis
@@ -192,6 +192,7 @@ class DiLoCoStep:
     self._has_aux = has_aux
     self._donate = donate
     self._skip = skip_nonfinite
+    self.skip_scope = skip_scope
     self.axes = (slow_axis,) if fast_axis is None else (slow_axis, fast_axis)
     self.fast_size = 1 if fast_axis is None else mesh.shape[fast_axis]
     self.count = layout.num_replicas(mesh, self.axes)
@@ -294,13 +295,14 @@ class DiLoCoStep:
   def _inner_program(self, form: Optional[int]) -> Callable:
     key = ("inner", form)
     if key not in self._programs:
+      across = (self.slow_axis,) if self.skip_scope == "all" else ()
       if self.fsdp:
         body = fsdp.sharded_body(self._loss_fn, self.inner_tx, self._whole, self.fast_axis,
-                                 self.fast_size, agree_over=(self.fast_axis,),
+                                 self.fast_size, agree_over=across + (self.fast_axis,),
                                  skip_nonfinite=self._skip, form=form, has_aux=self._has_aux)
       else:
         body = steps.replicated_body(self.inner_tx, self._loss_fn, self._has_aux, self._skip,
-                                     form)
+                                     form, agree_over=across)
       like = self.like
 
       def per_device(params, inner_state, step, batch):
@@ -416,7 +418,8 @@ class DiLoCoStep:
     return transfers(params, dict(self.mesh.shape), slow_axis=self.slow_axis,
                      sync_period=self.sync_period, fast_axis=self.fast_axis,
                      inner_tx=self.inner_tx, outer_compressor=self.outer_compressor,
-                     num_fragments=self.num_fragments, fsdp=self.fsdp, wrapped=True)
+                     num_fragments=self.num_fragments, fsdp=self.fsdp,
+                     skip_scope=self.skip_scope, wrapped=True)
 
 
 def outer_exchange(outer_compressor, fast_axis: Optional[str], fast_size: int, use_fsdp: bool):
@@ -439,6 +442,7 @@ def transfers(
     outer_compressor: Optional[optax.GradientTransformation] = None,
     num_fragments: int = 1,
     fsdp: bool = False,
+    skip_scope: str = "group",
     wrapped: bool = False,
 ) -> DiLoCoTransfers:
   """What a :func:`make_diloco_step` run sends per device, by the formulas, without a mesh.
@@ -446,8 +450,8 @@ def transfers(
   Args:
     params: the whole parameters, or their shapes.
     mesh_shape: the size of each mesh axis, e.g. ``{"dcn": 64, "ici": 8}``.
-    slow_axis, sync_period, fast_axis, num_fragments, fsdp: as for
-      :func:`make_diloco_step`.
+    slow_axis, sync_period, fast_axis, num_fragments, fsdp, skip_scope: as
+      for :func:`make_diloco_step`.
     inner_tx: the inner transformation (``None``: one that sends nothing,
       e.g. a plain optimizer with one device per group).
     outer_compressor: built over ``slow_axis`` (``None``: the dense mean).
@@ -458,7 +462,9 @@ def transfers(
     :func:`jaxcomp.costmodel.predict_diloco`).
   """
   sync_period, num_fragments = _check_schedule(sync_period, num_fragments)
+  _check_skip_scope(skip_scope)
   fast_size = 1 if fast_axis is None else mesh_shape[fast_axis]
+  groups = mesh_shape[slow_axis]
   if outer_compressor is None:
     outer_compressor = dense.allreduce(slow_axis)
   if not wrapped:
@@ -467,12 +473,18 @@ def transfers(
   local = hierarchical.shard_shapes(whole, fast_size) if fsdp else whole
   if fsdp:
     padded = fast_size * sum(math.prod(s.shape) for s in jax.tree.leaves(local))
-    inner = hierarchical.dense_transfers(padded, fast_axis, fast_size) + (
-        hierarchical.skip_flag(fast_axis, fast_size),)
+    inner = hierarchical.dense_transfers(padded, fast_axis, fast_size)
   elif inner_tx is not None and protocol.find_compressors(inner_tx, local):
     inner = wire.transfers(inner_tx, local, {fast_axis: fast_size})
   else:
     inner = ()
+  # The inner step's skip flag: one int32 all-reduce over the axes that agree on it.
+  if skip_scope == "all":
+    agree = (slow_axis, fast_axis) if fsdp else (slow_axis,)
+    inner += (wire.transfer(wire.Kind.ALL_REDUCE, groups * (fast_size if fsdp else 1), 4,
+                            agree),)
+  elif fsdp:
+    inner += (hierarchical.skip_flag(fast_axis, fast_size),)
   axes = protocol.spec(outer_compressor).axes
   outer = []
   for members in fragments(whole, num_fragments):
@@ -482,6 +494,14 @@ def transfers(
       cost += (hierarchical.skip_flag(fast_axis, fast_size),)
     outer.append(cost)
   return DiLoCoTransfers(inner=inner, outer=tuple(outer), sync_period=sync_period)
+
+
+SKIP_SCOPES = ("group", "all")
+
+
+def _check_skip_scope(skip_scope) -> None:
+  if skip_scope not in SKIP_SCOPES:
+    raise ValueError(f"`skip_scope` must be one of {SKIP_SCOPES}, got {skip_scope!r}")
 
 
 def _check_schedule(sync_period, num_fragments) -> tuple[int, int]:
@@ -534,6 +554,7 @@ def make_diloco_step(
     has_aux: bool = False,
     donate: bool = True,
     skip_nonfinite: bool = True,
+    skip_scope: str = "group",
 ) -> DiLoCoStep:
   """A DiLoCo run on ``mesh``: replica groups along ``slow_axis`` that sync every ``sync_period`` steps.
 
@@ -565,11 +586,14 @@ def make_diloco_step(
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     donate: donate the state's buffers to each step.
     skip_nonfinite: an inner step whose mean gradient is not finite is
-      skipped by the replica group that met it (every device of that group;
-      the groups share nothing between syncs, and agreeing across them
-      would cost a slow-link round trip per step); a sync whose mean
-      pseudo-gradient is not finite is skipped by every device: anchor and
-      outer state unchanged, each group on its own parameters.
+      skipped (see ``skip_scope``); a sync whose mean pseudo-gradient is not
+      finite is skipped by every device: anchor and outer state unchanged,
+      each group on its own parameters.
+    skip_scope: who skips an inner step that is not finite: ``"group"``
+      (the default), every device of the replica group that met it (the
+      groups share nothing between syncs); ``"all"``, every device, at the
+      price of one int32 all-reduce over the slow axis per inner step, a
+      slow-link round trip.
 
   Returns:
     A :class:`DiLoCoStep`: ``state = step.init(params)``, then
@@ -585,6 +609,7 @@ def make_diloco_step(
       fast axis) does not average over it.
   """
   sync_period, num_fragments = _check_schedule(sync_period, num_fragments)
+  _check_skip_scope(skip_scope)
   fsdp = checks.check_bool(fsdp, "fsdp")
   if not isinstance(slow_axis, str) or not slow_axis:
     raise TypeError(f"`slow_axis` must be a mesh axis name (str), got {slow_axis!r}")
@@ -611,4 +636,4 @@ def make_diloco_step(
     outer_optimizer = optax.sgd(0.7, momentum=0.9, nesterov=True)
   return DiLoCoStep(loss_fn, inner_tx, outer_compressor, outer_optimizer, mesh, slow_axis,
                     fast_axis, sync_period, num_fragments, fsdp, has_aux, donate,
-                    skip_nonfinite)
+                    skip_nonfinite, skip_scope)

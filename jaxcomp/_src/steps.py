@@ -141,15 +141,20 @@ def guarded_update(
   return new_params, new_state, finite
 
 
-def replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form=None):
-  """The per-device body of the shard_map and pmap steps: ``(params, state, metrics)``."""
+def replicated_body(tx, loss_fn, has_aux, skip_nonfinite, form=None, agree_over=()):
+  """The per-device body of the shard_map and pmap steps: ``(params, state, metrics)``.
+
+  ``agree_over``: axes beyond the compressor's over which the skip is agreed
+  (:func:`guarded_update`).
+  """
 
   def body(params, state, batch):
     (loss, aux), grads = jax.value_and_grad(
         loss_fn if has_aux else lambda p, b: (loss_fn(p, b), None), has_aux=True
     )(params, batch)
     new_params, new_state, finite = guarded_update(
-        tx, grads, state, params, skip_nonfinite=skip_nonfinite, form=form)
+        tx, grads, state, params, skip_nonfinite=skip_nonfinite, form=form,
+        agree_over=agree_over)
     metrics = {"loss": loss, "finite": finite}
     if has_aux:
       metrics["aux"] = aux
