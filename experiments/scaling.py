@@ -176,6 +176,7 @@ def diloco_table(args) -> dict:
   """
   import jaxcomp
   from jaxcomp import training
+  from jaxcomp import wire
 
   params = MODELS["transformer"]()
   n = shapes.num_params(params)
@@ -192,10 +193,11 @@ def diloco_table(args) -> dict:
         compressor = registry.build(name, "dcn", **config)
         compression = compute.compression_s(name, n) / args.node_size
         if mode == "sync":
-          seconds = costmodel.predict(
-              jaxcomp.hierarchical(compressor, "ici", args.node_size), params, mesh_shape,
-              *network, compute_s=args.compute_s["transformer"] + compression)
-          slow = _slow_bytes(costmodel_transfers(compressor, params, mesh_shape, args))
+          cost = wire.transfers(jaxcomp.hierarchical(compressor, "ici", args.node_size),
+                                params, mesh_shape)
+          seconds = (args.compute_s["transformer"] + compression
+                     + costmodel.exchange_time(cost, *network))
+          slow = float(wire.tally(cost).by_axes.get(("dcn",), 0))
         else:
           cost = training.diloco_transfers(
               params, mesh_shape, slow_axis="dcn", fast_axis="ici",
@@ -209,19 +211,6 @@ def diloco_table(args) -> dict:
       rows[nodes] = row
     out[bandwidth] = rows
   return out
-
-
-def costmodel_transfers(compressor, params, mesh_shape, args):
-  """The transfers of ``compressor`` over the slow axis inside :func:`jaxcomp.hierarchical`."""
-  import jaxcomp
-  from jaxcomp import wire
-
-  return wire.transfers(jaxcomp.hierarchical(compressor, "ici", args.node_size), params,
-                        mesh_shape)
-
-
-def _slow_bytes(cost) -> float:
-  return float(sum(t.bytes * t.weight for t in cost if t.axes and "dcn" in t.axes))
 
 
 def _ms(seconds: float) -> str:
