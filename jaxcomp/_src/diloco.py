@@ -198,6 +198,7 @@ class DiLoCoStep:
     self.count = layout.num_replicas(mesh, self.axes)
     # Replicated inside a group, every device sends its own shard of the
     # group's pseudo-gradient; with FSDP it holds only its shard already.
+    self._outer_given = outer_compressor
     self.outer_compressor = outer_exchange(outer_compressor, fast_axis, self.fast_size, use_fsdp)
     self.outer_tx = optax.chain(self.outer_compressor, outer_optimizer)
     self._whole = None
@@ -417,9 +418,9 @@ class DiLoCoStep:
     """What each kind of step sends per device, by the formulas (``params``: whole, or shapes)."""
     return transfers(params, dict(self.mesh.shape), slow_axis=self.slow_axis,
                      sync_period=self.sync_period, fast_axis=self.fast_axis,
-                     inner_tx=self.inner_tx, outer_compressor=self.outer_compressor,
+                     inner_tx=self.inner_tx, outer_compressor=self._outer_given,
                      num_fragments=self.num_fragments, fsdp=self.fsdp,
-                     skip_scope=self.skip_scope, wrapped=True)
+                     skip_scope=self.skip_scope)
 
 
 def outer_exchange(outer_compressor, fast_axis: Optional[str], fast_size: int, use_fsdp: bool):
@@ -443,7 +444,6 @@ def transfers(
     num_fragments: int = 1,
     fsdp: bool = False,
     skip_scope: str = "group",
-    wrapped: bool = False,
 ) -> DiLoCoTransfers:
   """What a :func:`make_diloco_step` run sends per device, by the formulas, without a mesh.
 
@@ -455,7 +455,6 @@ def transfers(
     inner_tx: the inner transformation (``None``: one that sends nothing,
       e.g. a plain optimizer with one device per group).
     outer_compressor: built over ``slow_axis`` (``None``: the dense mean).
-    wrapped: ``outer_compressor`` is already :func:`outer_exchange`'s.
 
   Returns:
     :class:`DiLoCoTransfers` (the cost model prices it:
@@ -467,8 +466,7 @@ def transfers(
   groups = mesh_shape[slow_axis]
   if outer_compressor is None:
     outer_compressor = dense.allreduce(slow_axis)
-  if not wrapped:
-    outer_compressor = outer_exchange(outer_compressor, fast_axis, fast_size, fsdp)
+  outer_compressor = outer_exchange(outer_compressor, fast_axis, fast_size, fsdp)
   whole = protocol.abstract(params)
   local = hierarchical.shard_shapes(whole, fast_size) if fsdp else whole
   if fsdp:
