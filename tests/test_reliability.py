@@ -1,6 +1,6 @@
 """Reliability of every registered compressor, trained end to end on 8 fake CPU devices.
 
-For every compressor and layout one run of 120 steps of a small MLP records
+For every compressor and layout one run of 60 steps of a small MLP records
 what the tests read. The layouts: a ring of 8 on axis ``data`` and a 2x4
 torus on ``("x", "y")`` (:func:`jaxcomp.training.make_step`); on a 2x4 mesh
 ``("dcn", "ici")``, the compressor on the slow axis only, with replicated
@@ -8,16 +8,16 @@ parameters (:func:`jaxcomp.hierarchical`, ``hierarchical``) and with the
 parameters sharded over the fast axis (:func:`jaxcomp.training.make_fsdp_step`,
 ``fsdp``). Recorded:
 
-* the parameters on every device at steps 100 and 120 (replica sync);
+* the parameters on every device at steps 50 and 60 (replica sync);
 * how often the step was traced (compile once, DGC's warm-up and ACP-SGD's
   alternation included);
 * a non-finite gradient on one device at step ``BAD_STEP`` (Inf on the torus,
   NaN elsewhere): on the torus ``optax.apply_if_finite`` placed after the
   compressor drops it, elsewhere the training helper's own skip does;
-* a checkpoint written at step 50, which a fresh process restores and trains
-  for 50 more steps: bit for bit the run's state at step 100 (one process per
-  layout resumes every method; restoring onto another device count is
-  ``tests/test_checkpoint.py``'s).
+* a checkpoint written at step 25 (inside DGC's warm-up), which a fresh
+  process restores and trains for 25 more steps: bit for bit the run's state
+  at step 50 (one process per layout resumes every method; restoring onto
+  another device count is ``tests/test_checkpoint.py``'s).
 
 Run as a script (``python tests/test_reliability.py resume ...``) this module
 is that fresh process.
@@ -46,9 +46,9 @@ import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
 
-STEPS = 120
-CHECKPOINT_STEP = 50
-RESUME_STEPS = 50
+STEPS = 60
+CHECKPOINT_STEP = 25
+RESUME_STEPS = 25
 BAD_STEP = 20
 BAD_DEVICE = 3
 PER_DEVICE_BATCH = 8
@@ -217,7 +217,7 @@ def _run(name: str, mesh_name: str, checkpoint_dir: str):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> pathlib.Path:
-  """Where the runs write their step-50 checkpoints (one directory per case)."""
+  """Where the runs write their step-25 checkpoints (one directory per case)."""
   return tmp_path_factory.mktemp("checkpoints")
 
 
@@ -233,7 +233,7 @@ def run(checkpoints):
 def test_replicas_stay_bitwise_identical(run, name, mesh_name):
   record = run(name, mesh_name)
   twin = record["setup"].twin
-  for step in (100, STEPS):
+  for step in (CHECKPOINT_STEP + RESUME_STEPS, STEPS):
     for leaf in _flat(record["params"][step]):
       for device in range(1, leaf.shape[0]):
         np.testing.assert_array_equal(
@@ -282,7 +282,7 @@ def test_non_finite_on_one_device_skips_the_step_everywhere(run, name, mesh_name
 
 
 def _resume(name: str, mesh_name: str, checkpoint_dir: str, out: str) -> None:
-  """Restores step 50, trains 50 steps, saves every device's state."""
+  """Restores step 25, trains 25 steps, saves every device's state."""
   setup = _Setup(name, mesh_name)
   params, state, step = setup.restore(checkpoint_dir)
   assert step == CHECKPOINT_STEP, step
@@ -308,7 +308,7 @@ def _resume_layout(mesh_name: str, checkpoints: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def resumed(run, checkpoints, tmp_path_factory):
   """``resumed(mesh_name) -> (process, directory)``: one fresh process resumes every
-  method of the layout from its step-50 checkpoint, the first time it is asked for."""
+  method of the layout from its step-25 checkpoint, the first time it is asked for."""
   out = tmp_path_factory.mktemp("resumed")
 
   @functools.lru_cache(maxsize=None)
