@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import lm
@@ -17,7 +18,7 @@ def lm_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("lm")
   done = subprocess.run(
       [sys.executable, "-m", "experiments.compare", "--task", "lm", "--runs",
-       "sync-dense,diloco-dense", "--steps", "12", "--eval-every", "6",
+       "sync-dense,sync-demo,diloco-dense", "--steps", "12", "--eval-every", "6",
        "--sync-period", "6", "--out", str(out), "--no-progress"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -29,13 +30,14 @@ def test_writes_the_table_the_json_and_both_plots(lm_run):
   assert {p.name for p in out.iterdir()} == {
       "lm.json", "lm.md", "lm_loss_vs_step.png", "lm_loss_vs_slow_bytes.png"}
   report = json.loads((out / "lm.json").read_text())
-  assert list(report["runs"]) == ["sync-dense", "diloco-dense"]
+  assert list(report["runs"]) == ["sync-dense", "sync-demo", "diloco-dense"]
   assert report["config"]["steps"] == 12 and report["config"]["sync_period"] == 6
   for row in report["runs"].values():
     assert [h["step"] for h in row["history"]] == [6, 12]
     assert row["val_loss"] == row["history"][-1]["val_loss"] > 0
     assert row["bytes_match_formula"] and row["bytes_by_axes"] == row["bytes_by_axes_formula"]
-  assert "| diloco-dense | 6 |" in (out / "lm.md").read_text()
+  table = (out / "lm.md").read_text()
+  assert "| diloco-dense | 6 | AdamW |" in table and "| sync-demo | 1 | signum |" in table
   assert "## Goals" in stdout
 
 
@@ -59,3 +61,14 @@ def test_the_corpus_holds_out_every_tenth_module():
 def test_unknown_runs_are_refused_by_name():
   with pytest.raises(SystemExit):
     lm.config_from_args(["--runs", "diloco-nothing"])
+
+
+def test_signum_steps_by_the_sign_of_the_mean_at_adamw_s_learning_rate():
+  tx, schedule = lm.INNER["signum"](100), lm._schedule(100)
+  params = {"w": np.array([0.5, -2.0, 0.0], np.float32)}
+  grads = {"w": np.array([3e-4, -7.0, 0.0], np.float32)}
+  state = tx.init(params)
+  for step in range(3):
+    updates, state = tx.update(grads, state, params)
+    want = -schedule(step) * (np.sign(grads["w"]) + lm.TRAIN["weight_decay"] * params["w"])
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
