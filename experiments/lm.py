@@ -82,8 +82,10 @@ TRAIN = {
 # the inner peak lr 0.015, which is synchronous dense's best (val loss 1.6940;
 # 1.9946 at 0.003, 1.7844 at 0.006, 1.7147 at 0.01, 1.7083 at 0.02). DiLoCo
 # dense at H = 30 then ended at 1.8003 (lr 1.0, momentum 0), 1.8196 (0.7, 0),
-# 1.8222 (1.0, Nesterov 0.2), 1.9331 (1.0, 0.5) and 2.2084 (0.7, 0.9): this run
-# has 20 syncs (at inner lr 0.003, momentum 0.5 had done best).
+# 1.8378 (1.3, 0), 1.9733 (1.6, 0), 1.8222 (1.0, Nesterov 0.2), 1.9331 (1.0,
+# 0.5) and 2.2084 (0.7, 0.9): this run has 20 syncs (at inner lr 0.003,
+# momentum 0.5 had done best). At lr 1.0 with no momentum, inner lr 0.01 gave
+# 1.8011, and H = 20 1.7921.
 OUTER = (("learning_rate", 1.0),)  # SparseLoCo's too: its error feedback is its momentum
 SYNC_PERIOD = 30
 
