@@ -18,6 +18,7 @@ from jaxcomp import collectives
 from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import draws
 
 EMPTY = collectives.EMPTY_INDEX
 
@@ -175,20 +176,18 @@ def np_topk(x, k):
 def random_indices_reference(key, n, k):
   """The spec of random-k's coordinates, sorted int32: one per stratum, rotated.
 
-  ``key`` is the step's draw key. The draws are JAX's (``r`` and the
-  per-stratum offsets, as documented in ``sparsify.random_indices``); the
-  strata, the rotation modulo ``n`` and the order are numpy's, in int64.
+  ``key`` is the step's draw key. The ``k + 1`` draws are the library's
+  (``draws.bits``, as documented in ``sparsify.random_indices``); the
+  strata, the modulos, the rotation and the order are numpy's, in int64.
   """
   if k == n:
     return np.arange(n, dtype=np.int32)
-  r_key, offset_key = jax.random.split(key)
+  drawn = np.asarray(draws.bits(key, k + 1)).astype(np.int64)
   q, longer = divmod(n, k)
   sizes = np.array([q + 1] * longer + [q] * (k - longer), np.int64)
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-  offsets = np.asarray(jax.random.randint(offset_key, (k,), 0, sizes.astype(np.int32),
-                                          dtype=np.int32))
-  r = int(jax.random.randint(r_key, (), 0, n, dtype=np.int32))
-  return np.sort((starts + offsets + r) % n).astype(np.int32)
+  r = int(drawn[k] % n)
+  return np.sort((starts + drawn[:k] % sizes + r) % n).astype(np.int32)
 
 
 def step_draw_keys(seed, steps):

@@ -24,10 +24,27 @@ def test_uniform_is_in_unit_interval_with_mean_one_half():
   assert abs(got.mean() - 0.5) < 0.005
 
 
-def test_a_draw_depends_on_the_key_only():
+def test_a_draw_depends_on_the_key_and_the_stream_only():
   a = draws.bits(jax.random.key(1), 64)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(draws.bits(jax.random.key(1), 64)))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(draws.bits(jax.random.key(1), 64, 0)))
   assert (np.asarray(a) != np.asarray(draws.bits(jax.random.key(2), 64))).mean() > 0.9
+  for stream in (1, 2, 2**31 - 1):
+    assert (np.asarray(a) != np.asarray(draws.bits(jax.random.key(1), 64, stream))).mean() > 0.9
+
+
+def test_streams_are_uncorrelated_and_a_zero_key_draws_no_zeros():
+  key = jax.random.wrap_key_data(np.zeros(2, np.uint32))
+  first, second = (np.asarray(draws.uniform(key, 100_000, s)) for s in (0, 1))
+  assert abs(np.corrcoef(first, second)[0, 1]) < 0.02  # sd of r about 0.003
+  assert (np.asarray(draws.bits(key, 16)) != 0).all()
+
+
+def test_a_draw_compiles_without_a_loop():
+  """No threefry: no ``while`` (its rounds' loop on CPU) in the compiled draw."""
+  text = jax.jit(lambda key: draws.uniform(key, 1000, 3)).lower(
+      jax.random.key(0)).compile().as_text()
+  assert " while(" not in text and "threefry" not in text
 
 
 @pytest.mark.parametrize("high", [0, 2**31 + 1])

@@ -1,11 +1,13 @@
 """Counter-based random draws: elementwise integer hashing of a position and two key words.
 
 ``jax.random`` runs threefry's rounds as a loop of their own on CPU (scalar
-copies each round, and for ``n`` draws its passes over ``n`` words); a draw
-here is ``mix(mix(i ^ w0) ^ w1)`` for position ``i``, where ``w0, w1`` are two
-words drawn once from the key and ``mix`` is a bijective 32-bit hash, so XLA
-fuses it into whatever reads it. Not for cryptography: for rounding noise
-and sample positions.
+copies each round, about 26 kernels per call, and for ``n`` draws its passes
+over ``n`` words); a draw here is ``mix(mix(i ^ w0) ^ w1)`` for position
+``i``, where ``w0, w1`` are hashed from the key's own two data words (no threefry
+call at all) and ``mix`` is a bijective 32-bit hash, so XLA fuses it into
+whatever reads it. A ``stream`` gives one key several independent draws (a
+device's, a hop's): it is hashed into ``w0``.
+Not for cryptography: for rounding noise and sample positions.
 
 Reference:
   C. Wellons, `Prospecting for Hash Functions
@@ -28,15 +30,24 @@ def _mix(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def bits(key: jax.Array, n: int) -> jax.Array:
-  """``uint32[n]``: entry ``i`` is ``mix(mix(i ^ w[0]) ^ w[1])``, ``w`` two words of ``key``."""
-  words = jax.random.bits(key, (2,), jnp.uint32)
-  return _mix(_mix(lax.iota(jnp.uint32, n) ^ words[0]) ^ words[1])
+def bits(key: jax.Array, n: int, stream=0) -> jax.Array:
+  """``uint32[n]``: entry ``i`` is ``mix(mix(i ^ w0) ^ w1)``.
+
+  With ``d0, d1`` the key's first two data words and ``stream`` an int32
+  scalar ``>= 0`` (traced or not): ``w0 = mix(d0 ^ mix(0x9E3779B9 (stream +
+  1)))`` and ``w1 = mix(d1 ^ 0x85EBCA6B)`` (uint32 arithmetic), so that each
+  stream of one key draws its own values, and a key of zeros no zeros.
+  """
+  data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  salt = jnp.uint32(0x9E3779B9) * (jnp.asarray(stream).astype(jnp.uint32) + jnp.uint32(1))
+  first = _mix(data[0] ^ _mix(salt))
+  second = _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
+  return _mix(_mix(lax.iota(jnp.uint32, n) ^ first) ^ second)
 
 
-def uniform(key: jax.Array, n: int) -> jax.Array:
+def uniform(key: jax.Array, n: int, stream=0) -> jax.Array:
   """``f32[n]``, uniform on ``[0, 1)`` in steps of ``2**-24``: the top 24 of :func:`bits`."""
-  return (bits(key, n) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  return (bits(key, n, stream) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def integers(key: jax.Array, n: int, high: int) -> jax.Array:

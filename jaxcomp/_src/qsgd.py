@@ -45,12 +45,13 @@ def _norms(blocks: jax.Array) -> jax.Array:
   return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
 
 
-def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
+def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0):
   """``(int8 levels [m * bucket_size], f32 norms [m])`` of a flat ``x``, padded with zeros.
 
   Per bucket ``b`` of ``bucket_size`` entries: ``l_i = floor(s |x_i| /
   ||x_b||)``, rounded up to ``l_i + 1`` with probability ``s |x_i| /
   ||x_b|| - l_i``, signed like ``x_i``: ``E[sign(x_i) l_i ||x_b|| / s] = x_i``.
+  The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``.
   """
   n = x.shape[0]
   blocks = -(-n // bucket_size)
@@ -58,19 +59,19 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array):
   norms = _norms(padded)
   scaled = levels * jnp.abs(padded) / jnp.where(norms == 0, 1.0, norms)[:, None]
   floor = jnp.floor(scaled)
-  up = draws.uniform(key, padded.size).reshape(padded.shape) < scaled - floor
+  up = draws.uniform(key, padded.size, stream).reshape(padded.shape) < scaled - floor
   level = jnp.minimum(floor + up, levels) * jnp.sign(padded)
   return level.astype(jnp.int8).reshape(-1), norms
 
 
-def _codec(levels: int, block: int, keys) -> two_hop.Codec:
+def _codec(levels: int, block: int, key, device) -> two_hop.Codec:
   """QSGD's blocks as bytes: int8 levels (one byte each), the norms as the scales.
 
-  ``keys``: the rounding's draws of the two hops (this device's gradient,
-  then its chunk of the mean)."""
+  The rounding draws of hop ``h`` (0: this device's gradient, 1: its chunk
+  of the mean) are ``key``'s stream ``2 device + h``."""
 
   def encode(x, hop):
-    level, norms = quantize(x, levels, block, keys[hop])
+    level, norms = quantize(x, levels, block, key, 2 * device + hop)
     return lax.bitcast_convert_type(level, jnp.uint8), norms
 
   def decode(payload, norms):
@@ -112,8 +113,9 @@ def qsgd(
   2. device ``j`` quantizes that chunk of the mean again (a fresh draw) and
      an all-gather brings every chunk to every device, decoded alike.
 
-  The rounding draws differ per device (the step's key folded with the
-  device's index), so the noise averages out across devices. Error feedback
+  The rounding draws differ per device and per hop (the step's key, stream
+  ``2 d + h`` for device ``d`` and hop ``h``), so the noise averages out across
+  devices. Error feedback
   keeps what this device's own quantization dropped, ``c - Q(c)``.
 
   Args:
@@ -162,9 +164,9 @@ def qsgd(
   def step(ctx, corrected, state):
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, bucket_size)
-    keys = jax.random.split(jax.random.fold_in(ctx.key, lax.axis_index(
-        axes[0] if len(axes) == 1 else axes)))
-    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(levels, block, keys), block, chunk)
+    device = lax.axis_index(axes[0] if len(axes) == 1 else axes)
+    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(levels, block, ctx.key, device),
+                                      block, chunk)
     return protocol.Output(mean=mean, residual=corrected - sent, witness=scales)
 
   def wire_cost(bucket, sizes, steps):

@@ -17,6 +17,7 @@ import optax
 
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
+from jaxcomp._src import draws
 from jaxcomp._src import protocol
 from jaxcomp._src import selection
 from jaxcomp._src import wire
@@ -228,14 +229,16 @@ def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
   into ``k`` strata of ``q = n // k`` consecutive positions, ``q + 1`` for
   the first ``n % k`` (stratum ``j`` starts at ``j q + min(j, n % k)``); one
   position is drawn uniformly in each, and all are rotated by one uniform
-  ``r``::
+  ``r``, from ``k + 1`` counter-based draws (:func:`jaxcomp._src.draws.bits`,
+  no threefry loop)::
 
-    r_key, offset_key = jax.random.split(key)
-    r = jax.random.randint(r_key, (), 0, n)
-    index_j = (start_j + jax.random.randint(offset_key, (k,), 0, size)[j] + r) mod n
+    u = draws.bits(key, k + 1)
+    r = u[k] mod n
+    index_j = (start_j + u[j] mod size_j + r) mod n
 
-  The rotation makes the inclusion probability of every position exactly
-  ``k / n`` (it falls in each position of the strata equally often), as in
+  The rotation makes the inclusion probability of every position ``k / n``
+  (it falls in each position of the strata equally often; the modulo
+  favours low values by at most ``n / 2**32``, relative), as in
   a uniform ``k``-subset, which would cost a draw and a selection over all
   ``n``; the strata make the indices distinct and spread out (never two in
   one stratum). All of ``[0, n)``, in order, when ``k == n``.
@@ -250,13 +253,13 @@ def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
   """
   if k == n:
     return jnp.arange(n, dtype=jnp.int32)
-  r_key, offset_key = jax.random.split(key)
+  drawn = draws.bits(key, k + 1)
   q, longer = divmod(n, k)
   stratum = jnp.arange(k, dtype=jnp.int32)
   start = stratum * q + jnp.minimum(stratum, longer)
   size = q + (stratum < longer).astype(jnp.int32)
-  position = start + jax.random.randint(offset_key, (k,), 0, size, dtype=jnp.int32)
-  r = jax.random.randint(r_key, (), 0, n, dtype=jnp.int32)
+  position = start + (drawn[:k] % size.astype(jnp.uint32)).astype(jnp.int32)
+  r = (drawn[k] % jnp.uint32(n)).astype(jnp.int32)
   # position + r may pass 2**31; position - (n - r) stays in [-n, n).
   shifted = position - (n - r)
   wrapped = shifted >= 0
