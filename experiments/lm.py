@@ -122,7 +122,7 @@ RUNS: dict[str, Run] = {
     "diloco-quantized4-h150": Run("diloco", "quantized", (("bits", 4),), OUTER,
                                   sync_period=150),
 }
-# The uncompressed counterpart of each compressed DiLoCo run (the same H).
+# The uncompressed counterpart of each compressed run (the same mode and H).
 COUNTERPART = {"sync-quantized8": "sync-dense", "sync-demo": "sync-dense",
                "diloco-quantized8": "diloco-dense", "diloco-quantized4": "diloco-dense",
                "diloco-sparseloco": "diloco-dense",
@@ -195,10 +195,11 @@ def _signum(steps: int) -> optax.GradientTransformation:
 
 
 # The optimizer after the exchange, by :attr:`Run.inner`. DeMo is judged with
-# its paper's signum at the job's schedule. Validation losses seen before the
-# job's lr was tuned (sync dense: 1.6940 at peak lr 0.015, the job's): DeMo's
-# default behind AdamW at 0.003, 2.6105 (2.3456 with error_decay 0, 2.4672 at
-# 0.9); behind signum, 2.2987 at 0.001, 1.9531 at 0.003 and 1.7578 at 0.006.
+# its paper's signum at the job's schedule. Validation losses of probe runs,
+# each at the peak lr named (synchronous dense reaches 1.6940 at the job's
+# 0.015): DeMo's default behind AdamW at 0.003, 2.6105 (2.3456 with
+# error_decay 0, 2.4672 at 0.9); behind signum, 2.2987 at 0.001, 1.9531 at
+# 0.003 and 1.7578 at 0.006.
 INNER = {"adamw": _adamw, "signum": _signum}
 INNER_NAMES = {"adamw": "AdamW", "signum": "signum"}
 

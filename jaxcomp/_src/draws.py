@@ -3,11 +3,11 @@
 ``jax.random`` runs threefry's rounds as a loop of their own on CPU (scalar
 copies each round, about 26 kernels per call, and for ``n`` draws its passes
 over ``n`` words); a draw here is ``mix(mix(i ^ w0) ^ w1)`` for position
-``i``, where ``w0, w1`` are hashed from the key's own two data words (no threefry
-call at all) and ``mix`` is a bijective 32-bit hash, so XLA fuses it into
-whatever reads it. A ``stream`` gives one key several independent draws (a
-device's, a hop's): it is hashed into ``w0``.
-Not for cryptography: for rounding noise and sample positions.
+``i``, where ``w0, w1`` are hashed from the key's own two data words (no
+threefry call at all) and ``mix`` is a bijective 32-bit hash, so XLA fuses it
+into whatever reads it. A ``stream`` gives one key several independent draws
+(a device's, a hop's): it is hashed into ``w0``. Not for cryptography: for
+rounding noise and sample positions.
 
 Reference:
   C. Wellons, `Prospecting for Hash Functions

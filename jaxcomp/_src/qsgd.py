@@ -114,9 +114,9 @@ def qsgd(
      an all-gather brings every chunk to every device, decoded alike.
 
   The rounding draws differ per device and per hop (the step's key, stream
-  ``2 d + h`` for device ``d`` and hop ``h``), so the noise averages out across
-  devices. Error feedback
-  keeps what this device's own quantization dropped, ``c - Q(c)``.
+  ``2 d + h`` for device ``d`` and hop ``h``), so the noise averages out
+  across devices. Error feedback keeps what this device's own quantization
+  dropped, ``c - Q(c)``.
 
   Args:
     levels: ``s``, the number of quantization levels, an int in [1, 127].
