@@ -256,9 +256,9 @@ class _DiLoCo:
     import jaxcomp
     from jaxcomp import training
 
-    inner = optax.chain(jaxcomp.allreduce(FAST), inner)
+    inner_tx = optax.chain(jaxcomp.allreduce(FAST), inner)
     self.step = training.make_diloco_step(
-        model.loss, inner, mesh, slow_axis=SLOW, fast_axis=FAST, sync_period=sync_period,
+        model.loss, inner_tx, mesh, slow_axis=SLOW, fast_axis=FAST, sync_period=sync_period,
         outer_compressor=compressor, outer_optimizer=optax.sgd(**outer),
         num_fragments=num_fragments)
     self.mesh, self.model = mesh, model
