@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
@@ -124,11 +125,17 @@ def _kth_largest_bits(bits: jax.Array, k, passes: int = 31) -> jax.Array:
   A radix search from the high bit down: one compare-and-count pass per bit,
   no sort. With all 31 passes the answer ``t`` is the largest value with at
   least ``k`` entries ``>= t`` (0 when fewer than ``k`` entries are valid);
-  fewer passes round it down to a multiple of ``2**(31 - passes)``.
+  fewer passes round it down to a multiple of ``2**(31 - passes)``. The
+  counts are f32 sums of ones: exact below ``2**24`` entries, and past that
+  rounded but never across ``k`` while ``k`` is below ``2**24``.
   """
   def body(i, t):
     candidate = t | (jnp.int32(1) << (30 - i))
-    return jnp.where(jnp.sum(bits >= candidate) >= k, candidate, t)
+    # The count as a product of the 0/1 mask with itself: one kernel, where
+    # XLA:CPU splits a large sum into a tree of reduce-windows (three more).
+    above = (bits >= candidate).astype(jnp.float32)
+    count = jnp.dot(above, above, precision=lax.Precision.HIGHEST)
+    return jnp.where(count >= k, candidate, t)
 
   return lax.fori_loop(0, passes, body, jnp.int32(0))
 
@@ -160,33 +167,51 @@ _SCAN_BLOCK = 32
 
 
 def _prefix_sum(x: jax.Array) -> jax.Array:
-  """Inclusive prefix sums of a non-negative int32 ``x``, in a few kernels per level.
+  """Inclusive prefix sums along the last axis of a non-negative int32 ``x``, in a few kernels
+  per level.
 
-  ``x`` is cut into blocks of :data:`_SCAN_BLOCK`: one product with a
-  triangle of ones gives every block's prefix sums, the blocks' totals are
-  summed so one level up, and each block adds the total before it: about
-  four kernels per level and ``log_32(m)`` levels, where
+  Each row is padded once and cut into blocks of :data:`_SCAN_BLOCK`: one
+  product with a triangle of ones gives every block's prefix sums, the
+  blocks' totals are summed so one level up (the top level, at most
+  :data:`_SCAN_TOP` entries, in one product), and each block adds the total
+  before it: about two kernels per level and ``log_32(m)`` levels, where
   ``lax.associative_scan`` makes a few kernels for each of ``log_2(m)``.
-  The products run in f32, exact while the sums stay below ``2**24``; a
-  larger sum may round but keeps its order against any integer below
-  ``2**24`` (the selections compare them with slot counts below it, and
-  discard a count above the buffer).
+  Rows (leading axes) share every kernel. The products run in f32, exact
+  while the sums stay below ``2**24``; a larger sum may round but keeps its
+  order against any integer below ``2**24`` (the selections compare them
+  with slot counts below it, and discard a count above the buffer).
   """
   return _prefix_sum_f32(x.astype(jnp.float32)).astype(jnp.int32)
 
 
+# A constant of the program, not computed in it.
+_TRIANGLE = np.triu(np.ones((_SCAN_BLOCK, _SCAN_BLOCK), np.float32))
+# The top of the tree sums up to this many entries in one product.
+_SCAN_TOP = 128
+
+
 def _prefix_sum_f32(x: jax.Array) -> jax.Array:
-  m = x.shape[0]
-  if m == 0:
-    return x
-  blocks = -(-m // _SCAN_BLOCK)
-  padded = jnp.pad(x, (0, blocks * _SCAN_BLOCK - m)).reshape(blocks, _SCAN_BLOCK)
-  triangle = jnp.triu(jnp.ones((_SCAN_BLOCK, _SCAN_BLOCK), jnp.float32))
-  within = jnp.dot(padded, triangle, precision=lax.Precision.HIGHEST)
-  if blocks > 1:
-    totals = within[:, -1]
-    within = within + (_prefix_sum_f32(totals) - totals)[:, None]
-  return within.reshape(-1)[:m]
+  m = x.shape[-1]
+  # Padded once, so that every level below the top divides into blocks.
+  unit = 1
+  while -(-m // unit) > _SCAN_TOP:
+    unit *= _SCAN_BLOCK
+  padded = -(-m // unit) * unit
+  if padded > m:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - m)])
+  return _scan_tree(x)[..., :m]
+
+
+def _scan_tree(x: jax.Array) -> jax.Array:
+  m = x.shape[-1]
+  if m <= _SCAN_TOP:
+    triangle = _TRIANGLE if m == _SCAN_BLOCK else np.triu(np.ones((m, m), np.float32))
+    return jnp.matmul(x, triangle, precision=lax.Precision.HIGHEST)
+  within = jnp.matmul(x.reshape(*x.shape[:-1], m // _SCAN_BLOCK, _SCAN_BLOCK), _TRIANGLE,
+                      precision=lax.Precision.HIGHEST)
+  totals = within[..., -1]
+  within = within + (_scan_tree(totals) - totals)[..., None]
+  return within.reshape(x.shape)
 
 
 def _compact(x: jax.Array, threshold: jax.Array, capacity: int):
@@ -332,12 +357,15 @@ def _largest_candidates(x, index, total, k, capacity):
   cand_bits = jnp.where(valid, _magnitude_bits(cand_values), -1)
   cut = _kth_largest_bits(cand_bits, jnp.minimum(k, total))
   above = cand_bits > cut
-  # Entries equal to the cut fill what is left of k, lowest index first.
   ties = cand_bits == cut
-  tie_rank = _prefix_sum(ties.astype(jnp.int32)) - 1
-  keep = above | (ties & (tie_rank < k - jnp.sum(above)))
-  rank = _prefix_sum(keep.astype(jnp.int32)) - 1
-  slot = jnp.where(keep, rank, capacity)
+  # One prefix sum of both masks: ``above_before[i]`` and ``ties_before[i]``
+  # count the entries up to ``i``. Ties fill what is left of k, lowest index
+  # first, so a tie is kept while its count is within ``left``, and an
+  # entry's slot is the kept entries up to it.
+  above_before, ties_before = _prefix_sum(jnp.stack([above, ties]).astype(jnp.int32))
+  left = k - above_before[-1]
+  keep = above | (ties & (ties_before <= left))
+  slot = jnp.where(keep, above_before + jnp.minimum(ties_before, left) - 1, capacity)
   empty = jnp.full(capacity, collectives.EMPTY_INDEX, jnp.int32)
   return (
       jnp.zeros(capacity, x.dtype).at[slot].set(cand_values, mode="drop"),

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from jaxcomp._src import checks
@@ -199,10 +200,16 @@ def gtopk(
     k = checks.num_selected(density, ctx.bucket.size)
     values, indices = selection.topk(corrected, k)
     global_values, global_indices = ctx.gtopk(values, indices, k)
-    # Put-back: membership by a sorted search over k entries, not an n-sized mask.
-    members = jnp.sort(global_indices)
-    found = members[jnp.minimum(jnp.searchsorted(members, indices), k - 1)]
-    sent = jnp.where(found == indices, indices, collectives.EMPTY_INDEX)
+    # Put-back: membership by one sort of both index sets (2k entries), not an
+    # n-sized mask: a local index is in the global set where it follows its
+    # equal from the global set (``origin`` -1; a local entry's own slot else).
+    both = jnp.concatenate([global_indices, indices])
+    origin = jnp.concatenate([jnp.full(k, -1, jnp.int32), jnp.arange(k, dtype=jnp.int32)])
+    both, origin = lax.sort((both, origin), num_keys=2)
+    member = (origin[1:] >= 0) & (both[1:] == both[:-1]) & (origin[:-1] < 0)
+    slot = jnp.where(member, origin[1:], k)
+    in_global = jnp.zeros(k, bool).at[slot].set(True, mode="drop")
+    sent = jnp.where(in_global, indices, collectives.EMPTY_INDEX)
     return protocol.Output(
         mean=collectives.densify(global_values, global_indices, ctx.bucket.size),
         residual=protocol.Zeroed(sent),
