@@ -194,13 +194,13 @@ def step_draw_keys(seed, steps):
   """``(draw keys of the first steps, the state's key after them)`` from a seed.
 
   The shared path splits the state's key every step into the next state key
-  and the step's draw: ``next, draw = jax.random.split(key)``.
+  and the step's draw: ``next, draw = draws.step_keys(key)``.
   """
-  key, draws = jax.random.key(seed), []
+  key, drawn = jax.random.key(seed), []
   for _ in range(steps):
-    key, draw = jax.random.split(key)
-    draws.append(draw)
-  return draws, key
+    key, draw = draws.step_keys(key)
+    drawn.append(draw)
+  return drawn, key
 
 
 # ------------------------------------------------------------------ collectives

@@ -40,11 +40,27 @@ def test_streams_are_uncorrelated_and_a_zero_key_draws_no_zeros():
   assert (np.asarray(draws.bits(key, 16)) != 0).all()
 
 
-def test_a_draw_compiles_without_a_loop():
-  """No threefry: no ``while`` (its rounds' loop on CPU) in the compiled draw."""
-  text = jax.jit(lambda key: draws.uniform(key, 1000, 3)).lower(
-      jax.random.key(0)).compile().as_text()
+@pytest.mark.parametrize("draw", [
+    lambda key: draws.uniform(key, 1000, 3),
+    lambda key: jax.random.key_data(draws.step_keys(draws.derive(key, 5))[1])])
+def test_a_draw_and_a_key_split_compile_without_a_loop(draw):
+  """No threefry: no ``while`` (its rounds' loop on CPU) in the compiled program."""
+  text = jax.jit(draw).lower(jax.random.key(0)).compile().as_text()
   assert " while(" not in text and "threefry" not in text
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_step_keys_chain_distinct_keys_of_the_same_implementation(impl):
+  key, seen = jax.random.key(0, impl=impl), set()
+  for _ in range(500):
+    key, draw = draws.step_keys(key)
+    assert jax.random.key_impl(draw) == jax.random.key_impl(key)
+    for k in (key, draw):
+      seen.add(np.asarray(jax.random.key_data(k)).tobytes())
+  assert len(seen) == 1000
+  a, b = (np.asarray(jax.random.key_data(draws.derive(key, s))) for s in (0, 1))
+  assert a.shape == b.shape == np.asarray(jax.random.key_data(key)).shape
+  assert (a != b).all()
 
 
 @pytest.mark.parametrize("high", [0, 2**31 + 1])

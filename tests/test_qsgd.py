@@ -41,7 +41,7 @@ def _quantize(x, draws, levels, block):
 
 def _uniform(seed, device, hop, n):
   """The rounding draws of ``device``'s hop at the first step (the documented rule)."""
-  _, draw = jax.random.split(jax.random.wrap_key_data(jaxcomp.protocol.raw_key(seed)))
+  (draw,), _ = harness.step_draw_keys(seed, 1)
   return np.asarray(draws.uniform(draw, n, 2 * device + hop))
 
 

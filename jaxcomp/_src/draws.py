@@ -6,8 +6,10 @@ over ``n`` words); a draw here is ``mix(mix(i ^ w0) ^ w1)`` for position
 ``i``, where ``w0, w1`` are hashed from the key's own two data words (no
 threefry call at all) and ``mix`` is a bijective 32-bit hash, so XLA fuses it
 into whatever reads it. A ``stream`` gives one key several independent draws
-(a device's, a hop's): it is hashed into ``w0``. Not for cryptography: for
-rounding noise and sample positions.
+(a device's, a hop's): it is hashed into ``w0``. New keys come the same way
+(:func:`derive`, :func:`step_keys`): the shared path's per-step key split
+makes no threefry call either. Not for cryptography: for rounding noise and
+sample positions.
 
 Reference:
   C. Wellons, `Prospecting for Hash Functions
@@ -43,6 +45,23 @@ def bits(key: jax.Array, n: int, stream=0) -> jax.Array:
   first = _mix(data[0] ^ _mix(salt))
   second = _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
   return _mix(_mix(lax.iota(jnp.uint32, n) ^ first) ^ second)
+
+
+def derive(key: jax.Array, stream=0) -> jax.Array:
+  """A key of ``key``'s implementation whose data words are ``bits(key, words, stream)``.
+
+  Stands in for ``jax.random.fold_in(key, stream)`` (and, with two streams,
+  for ``jax.random.split``) at the cost of one elementwise hash. Only the
+  first two data words of ``key`` feed it (all of a threefry key's).
+  """
+  data = jax.random.key_data(key)
+  words = bits(key, data.size, stream).reshape(data.shape).astype(data.dtype)
+  return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
+
+
+def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(next key, this step's draw)``: streams 1 and 0 of ``key`` (:func:`derive`)."""
+  return derive(key, 1), derive(key, 0)
 
 
 def uniform(key: jax.Array, n: int, stream=0) -> jax.Array:

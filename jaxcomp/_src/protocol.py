@@ -25,9 +25,10 @@ the rest, once, for every method:
 5. the exchange scaled before the sum (every payload divided by ``P``), so
    a mean that fits in f32 never overflows on the way;
 6. the new state (residual, the method's fields, the step ``count``, the
-   PRNG key split every step) written only where the mean is finite (every
-   bucket's, decided once after the last exchange): a skipped step leaves
-   every state as it was, on every device alike;
+   PRNG key split every step by :func:`jaxcomp._src.draws.step_keys`)
+   written only where the mean is finite (every bucket's, decided once after
+   the last exchange): a skipped step leaves every state as it was, on every
+   device alike;
 7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair);
 8. a step of several forms (:attr:`Method.form`): the form picked on the host
    (``update``'s ``compressor_form``, one program per form) or computed from
@@ -61,6 +62,7 @@ import optax
 
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
+from jaxcomp._src import draws
 from jaxcomp._src import error_feedback
 from jaxcomp._src import fusion
 
@@ -78,8 +80,8 @@ class Context:
     count: int32 scalar, the steps taken before this one (the same on every
       device).
     key: a typed PRNG key for this step, the same on every device (``None``
-      unless the method asks for one); fold it with ``lax.axis_index`` for a
-      draw that must differ per device.
+      unless the method asks for one); draw a stream of it per device
+      (:func:`jaxcomp._src.draws.bits`) for a draw that must differ per device.
     carry: what the method's ``prepare`` handed on (``None`` without one).
     finite: bool scalar, this device's corrected gradient is finite
       (``None`` when the method's exchange propagates non-finite values by
@@ -348,8 +350,8 @@ class Method:
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
       (:func:`jaxcomp.protocol.plan`); ``step`` then runs once per bucket,
-      ``ctx.bucket`` that bucket, ``ctx.key`` folded with its index (with two
-      buckets or more).
+      ``ctx.bucket`` that bucket, ``ctx.key`` derived with its index as the
+      stream (:func:`jaxcomp._src.draws.derive`; with two buckets or more).
     bucket_fields: the method's own state fields sized by the bucket (made
       by ``init`` from it: the low-rank factors); with two buckets or more
       each holds a tuple of one array per bucket, and ``step`` sees its
@@ -439,7 +441,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
   own (error feedback, finiteness test and poison, encode, exchange, decode)
   in order, each bucket's exchange after the one before; the method's
   ``bucket_fields`` are then one array per bucket and each bucket draws from
-  the step's key folded with its index. The state is kept or dropped once,
+  the step's key derived with its index. The state is kept or dropped once,
   after every bucket, on every device alike. A plan of one bucket is the
   path without buckets: the same state and the same bits.
   """
@@ -534,7 +536,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     new: dict[str, Any] = {}
     key = None
     if keyed:
-      next_key, key = jax.random.split(jax.random.wrap_key_data(state.rng_key))
+      next_key, key = draws.step_keys(jax.random.wrap_key_data(state.rng_key))
       new["rng_key"] = jax.random.key_data(next_key)
     # One bucket is the unbucketed path: the same state layout and bits.
     split = len(buckets) > 1
@@ -544,7 +546,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     form = step_form(state, form)
     for index, bucket in enumerate(buckets):
       view = threaded._replace(**{f: olds[f][index] for f in sized})
-      draw = jax.random.fold_in(key, index) if (split and key is not None) else key
+      draw = draws.derive(key, index) if (split and key is not None) else key
       written, ok = {}, None
 
       def compress(updates, view=view, bucket=bucket, draw=draw, after=after):
