@@ -299,3 +299,28 @@ def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
     x = (rng.integers(-levels, levels + 1, size=n) / levels).astype(np.float32)
   k = max(1, math.ceil(density * n))
   _assert_same_as_lax_top_k(x, k, *_exact_topk(x, k, seed=seed, ratio=ratio))
+
+
+# ------------------------------------------------------------------ non-finite entries
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(
+    bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
+    count=st.sampled_from([1, 3, 400]), seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("route", ["select_topk", "exact_topk", "sampled_topk"])
+def test_a_non_finite_entry_is_always_selected(route, bad, count, seed):
+  """What ``sends_largest`` rests on: NaN and Inf rank above every finite
+  magnitude, so a non-finite bucket always sends one (more of them than
+  slots too)."""
+  n, capacity = 8192, 64
+  x = _normal(n, seed) * np.float32(1e30)
+  x[np.random.default_rng(seed).choice(n, count, replace=False)] = bad
+  select = {
+      "select_topk": lambda x: selection.select_topk(x, capacity),
+      "exact_topk": lambda x: selection.exact_topk(x, capacity),
+      "sampled_topk": lambda x: selection.sampled_topk(
+          x, capacity, capacity, jax.random.key(seed), 0.05),
+  }[route]
+  values, _ = jax.jit(select)(jnp.asarray(x))
+  assert not np.isfinite(np.asarray(values)).all()

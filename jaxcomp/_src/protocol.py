@@ -21,7 +21,8 @@ the rest, once, for every method:
    holds a NaN or Inf sends NaN in every floating payload (the *poison*), so
    the mean is non-finite on every device, whatever its payload dropped (a
    method whose payload is linear in the gradient needs neither: the NaN
-   travels in it by itself);
+   travels in it by itself; nor one that sends the entries of largest
+   magnitude: a NaN or Inf ranks above them all and is sent);
 5. the exchange scaled before the sum (every payload divided by ``P``), so
    a mean that fits in f32 never overflows on the way;
 6. the new state (residual, the method's fields, the step ``count``, the
@@ -346,6 +347,12 @@ class Method:
       no finiteness test of the corrected gradient and no poison, a pass
       over it saved; the mean's test (or its witness's) still keeps the
       state.
+    sends_largest: every payload holds the corrected gradient's entries of
+      largest magnitude ranked by their bits (:mod:`jaxcomp.selection`: NaN
+      and ``inf`` above every finite value) and sends their values as they
+      are, so a device whose corrected gradient is not finite sends a
+      non-finite value by itself: no finiteness test and no poison, as for
+      ``linear_payload``.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
@@ -378,6 +385,7 @@ class Method:
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
   linear_payload: bool = False
+  sends_largest: bool = False
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -496,7 +504,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       corrected = bucket.flatten(updates)
     if method.error_feedback:
       corrected = corrected + state.residual
-    if not (method.propagates_nonfinite or method.linear_payload):
+    if not (method.propagates_nonfinite or method.linear_payload or method.sends_largest):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
       ctx = dataclasses.replace(ctx, finite=all_finite(corrected))

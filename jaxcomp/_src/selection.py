@@ -3,7 +3,7 @@
 Three ways to the same question, with their tunables as arguments
 (:class:`Tuning`) and defaults per backend (:func:`tuning_for`):
 
-* :func:`select_topk`: ``lax.top_k`` of the magnitudes, exact.
+* :func:`select_topk`: ``lax.top_k`` of the magnitudes' bits, exact.
 * :func:`exact_topk`: the same entries, found by a threshold estimated on a
   sample, one compacting pass, and an exact fallback under a ``lax.cond``.
 * :func:`sampled_topk`: Deep Gradient Compression's sampled threshold (about
@@ -102,11 +102,15 @@ def select_topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Arr
     capacity: static payload size, ``1 <= capacity <= n``.
     k: optional traced count ``<= capacity``; slots from ``k`` on are emptied.
 
+  Magnitudes rank by their bits (:func:`_magnitude_bits`), as integers on
+  every backend: NaN above ``inf`` above every finite value, so a non-finite
+  ``x`` always has one of its non-finite entries selected.
+
   Returns:
     ``(values [capacity], int32 indices [capacity])``, largest magnitude first;
     empty slots hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
-  _, indices = lax.top_k(jnp.abs(x), capacity)
+  _, indices = lax.top_k(_magnitude_bits(x), capacity)
   values = x[indices]
   indices = indices.astype(jnp.int32)
   if k is None:
