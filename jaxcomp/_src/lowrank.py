@@ -39,6 +39,7 @@ import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
 
 from jaxcomp._src import checks
@@ -126,6 +127,12 @@ class MatrixView:
   def headroom(self, factor: str) -> list[float]:
     """Per group, :func:`_headroom` of the ``P`` (``factor="p"``) or ``Q`` factors' column length."""
     return [_headroom(rows if factor == "p" else cols) for _, rows, cols in self.groups]
+
+  def per_leaf(self, values: list[float]) -> np.ndarray:
+    """One value per group as ``f32[leaves, 1, 1]``, each leaf its group's: a factor of
+    :meth:`columns`."""
+    counts = [g for g, _, _ in self.groups]
+    return np.repeat(np.asarray(values, np.float32), counts).reshape(-1, 1, 1)
 
   def length(self, factors: str = "pq") -> int:
     """The longest column of the ``P`` (``"p"``), ``Q`` (``"q"``) or both (``"pq"``) factors."""
@@ -493,12 +500,11 @@ def powersgd(
     p_beside = [p * h for p, h in zip(p_hat, p_room)]
     # The state holds the reduced Q itself where its column fits in f32, and the
     # column as sent where it does not (the warm start reads its direction only).
-    kept = []
-    for q, h in zip(view.q_factors(q_mean), p_room):
-      full = q * h
-      kept.append(jnp.where(jnp.all(jnp.isfinite(full), axis=1, keepdims=True), full, q))
-    new_q = view.uncolumns(
-        _refill(view.columns(_join(kept), "q"), view.columns(q_start, "q")), "q")
+    # Column by column, every leaf in one batch (:meth:`MatrixView.columns`).
+    sent = view.columns(q_mean, "q")
+    full = sent * view.per_leaf(p_room)
+    kept = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, sent)
+    new_q = view.uncolumns(_refill(kept, view.columns(q_start, "q")), "q")
     p_flat = _join(p_beside)
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
