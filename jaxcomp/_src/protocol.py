@@ -348,9 +348,8 @@ class Method:
       over it saved; the mean's test (or its witness's) still keeps the
       state.
     sends_largest: every payload holds the corrected gradient's entries of
-      largest magnitude ranked by their bits (:mod:`jaxcomp.selection`: NaN
-      and ``inf`` above every finite value) and sends their values as they
-      are, so a device whose corrected gradient is not finite sends a
+      largest magnitude (:mod:`jaxcomp.selection` ranks NaN and ``inf``
+      above every finite value) and sends their values as they are, so a device whose corrected gradient is not finite sends a
       non-finite value by itself: no finiteness test and no poison, as for
       ``linear_payload``.
     message: the compact form of the mean, when there is one

@@ -3,7 +3,7 @@
 Three ways to the same question, with their tunables as arguments
 (:class:`Tuning`) and defaults per backend (:func:`tuning_for`):
 
-* :func:`select_topk`: ``lax.top_k`` of the magnitudes' bits, exact.
+* :func:`select_topk`: ``lax.top_k`` of the magnitudes, exact.
 * :func:`exact_topk`: the same entries, found by a threshold estimated on a
   sample, one compacting pass, and an exact fallback under a ``lax.cond``.
 * :func:`sampled_topk`: Deep Gradient Compression's sampled threshold (about
@@ -102,15 +102,17 @@ def select_topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Arr
     capacity: static payload size, ``1 <= capacity <= n``.
     k: optional traced count ``<= capacity``; slots from ``k`` on are emptied.
 
-  Magnitudes rank by their bits (:func:`_magnitude_bits`), as integers on
-  every backend: NaN above ``inf`` above every finite value, so a non-finite
-  ``x`` always has one of its non-finite entries selected.
+  NaN ranks as ``inf``, on every backend, whatever its ``top_k`` makes of
+  NaN: a non-finite ``x`` always has one of its non-finite entries selected
+  (the key stays f32: XLA:CPU's ``top_k`` of int32 is a full sort, about
+  100x slower).
 
   Returns:
     ``(values [capacity], int32 indices [capacity])``, largest magnitude first;
     empty slots hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
-  _, indices = lax.top_k(_magnitude_bits(x), capacity)
+  magnitude = jnp.abs(x)
+  _, indices = lax.top_k(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), capacity)
   values = x[indices]
   indices = indices.astype(jnp.int32)
   if k is None:
@@ -398,9 +400,10 @@ def exact_topk(
   larger than the ``capacity``-th largest is a candidate, so these are the
   exact top-k; otherwise (a sample that missed, or many equal magnitudes)
   it falls back to ``lax.top_k``, under a ``lax.cond`` with no collective
-  inside. Either way the result is the same: magnitudes ordered as
-  ``lax.top_k`` orders them (by their bits: NaN above ``inf``), ties to the
-  lower index, so devices that take different branches still agree. The key
+  inside. For a finite ``x`` either way gives the same set, ties to the
+  lower index, so devices that take different branches still agree; a
+  non-finite ``x`` has a non-finite entry selected either way (by their
+  bits, NaN above ``inf``; in the fallback NaN ranks as ``inf``). The key
   only moves the sample, never the result.
 
   Args:
@@ -413,7 +416,8 @@ def exact_topk(
 
   Returns:
     ``(values [capacity], int32 indices [capacity])`` in increasing index
-    order: the set of :func:`select_topk`, every slot filled.
+    order: the set of :func:`select_topk` (for a finite ``x``), every slot
+    filled.
   """
   n = x.shape[0]
   if capacity >= n:
