@@ -66,7 +66,7 @@ def _payload_bytes(bits: int):
 
 
 def _codec(bits: int, block: int) -> two_hop.Codec:
-  return two_hop.Codec(lambda x, hop: encode(x, bits, block),
+  return two_hop.Codec(lambda x, hop, offset: encode(x, bits, block),
                        lambda payload, scales: decode(payload, scales, bits),
                        _payload_bytes(bits))
 

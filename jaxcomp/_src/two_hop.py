@@ -31,9 +31,11 @@ class Codec(NamedTuple):
   """How a method encodes blocks of ``block`` entries into bytes, and back.
 
   Attributes:
-    encode: ``encode(x, hop) -> (payload, scales)``: ``x`` f32 ``[m * block]``;
+    encode: ``encode(x, hop, offset) -> (payload, scales)``: ``x`` f32
+      ``[m * block]``, entries ``offset, ...`` of what is encoded;
       ``payload`` uint8 ``[payload_bytes(m * block)]``, ``scales`` f32 ``[m]``;
       ``hop`` is 0 for this device's gradient, 1 for its chunk of the mean.
+      Pieces encoded on their own and joined give the whole's encoding.
     decode: ``decode(payload, scales) -> f32 [..., m * block]`` from uint8
       ``[..., payload_bytes(m * block)]`` and f32 ``[..., m]`` (leading axes
       batched).
@@ -89,15 +91,34 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
   """
   n, devices = corrected.shape[0], ctx.num_devices
   payload_bytes = codec.payload_bytes(chunk)
-  padded = jnp.pad(corrected, (0, devices * chunk - n))
-  payload, scales = codec.encode(padded, 0)
+  payload, scales = _encode_padded(codec, corrected, block, devices * chunk)
   outgoing = _pack(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
   chunk_mean = jnp.sum(codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)),
                        axis=0)
   gathered, gathered_scales = _unpacked(
-      ctx.allgather(_pack(*codec.encode(chunk_mean, 1))), payload_bytes)
+      ctx.allgather(_pack(*codec.encode(chunk_mean, 1, 0))), payload_bytes)
   decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
   return decoded, codec.decode(payload, scales).reshape(-1)[:n], gathered_scales
+
+
+def _encode_padded(codec: Codec, x: jax.Array, block: int,
+                   size: int) -> tuple[jax.Array, jax.Array]:
+  """``codec``'s hop-0 encoding of ``x`` zero-padded to ``size`` entries (a multiple of
+  ``block``), without a padded copy of ``x``: its whole blocks are encoded where they
+  lie, the rest (the last partial block and the padding, under ``P + 1`` blocks)
+  from a small padded piece, and the two joined."""
+  n = x.shape[0]
+  whole = n // block * block
+  pieces = []
+  if whole:
+    pieces.append(codec.encode(x[:whole], 0, 0))
+  if size > whole:
+    pieces.append(codec.encode(jnp.pad(x[whole:], (0, size - n)), 0, whole))
+  if len(pieces) == 1:
+    return pieces[0]
+  (head_payload, head_scales), (tail_payload, tail_scales) = pieces
+  return (jnp.concatenate([head_payload, tail_payload]),
+          jnp.concatenate([head_scales, tail_scales]))
 
 
 def wire_cost(payload_bytes: Callable[[int], int], n: int, block_size: int, sizes,
