@@ -349,9 +349,9 @@ class Method:
       state.
     sends_largest: every payload holds the corrected gradient's entries of
       largest magnitude (:mod:`jaxcomp.selection` ranks NaN and ``inf``
-      above every finite value) and sends their values as they are, so a device whose corrected gradient is not finite sends a
-      non-finite value by itself: no finiteness test and no poison, as for
-      ``linear_payload``.
+      above every finite value) and sends their values as they are, so a
+      device whose corrected gradient is not finite sends a non-finite value
+      by itself: no finiteness test and no poison, as for ``linear_payload``.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
