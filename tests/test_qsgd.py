@@ -8,6 +8,8 @@ import pytest
 import jaxcomp
 from jaxcomp._src import draws
 from jaxcomp._src import qsgd
+from jaxcomp._src import quantized
+from jaxcomp._src import two_hop
 from jaxcomp import training
 from jaxcomp import wire
 
@@ -116,6 +118,23 @@ def test_bytes_fall_like_a_dense_all_reduce():
     qsgd_bytes = wire.expected_bytes(jaxcomp.qsgd(8, "data"), big, devices).total
     dense = wire.expected_bytes(jaxcomp.allreduce("data"), big, devices).total
     assert 3.9 < dense / qsgd_bytes < 4.0
+
+
+@pytest.mark.parametrize("n", [40, 64 * 5, 64 * 5 + 17])
+@pytest.mark.parametrize("codec", ["qsgd", "int8", "int4"])
+def test_encoding_in_pieces_equals_encoding_the_padded_whole(codec, n):
+  """Hop 0 encodes whole blocks where they lie and a padded tail apart (no padded
+  copy of the gradient); joined, they are the padded gradient's encoding, draws
+  included."""
+  block, size = 64, 8 * 64
+  codec = {"qsgd": lambda: qsgd._codec(LEVELS, block, jax.random.key(3), 1),
+           "int8": lambda: quantized._codec(8, block),
+           "int4": lambda: quantized._codec(4, block)}[codec]()
+  x = jnp.asarray(np.random.default_rng(n).normal(size=n).astype(np.float32))
+  want = jax.jit(lambda x: codec.encode(jnp.pad(x, (0, size - n)), 0, 0))(x)
+  got = jax.jit(lambda x: two_hop._encode_padded(codec, x, block, size))(x)
+  for g, w in zip(got, want):
+    harness.assert_bitwise_equal(g, w)
 
 
 @pytest.mark.parametrize("kwargs,error", [
