@@ -24,8 +24,9 @@ class QSGDState(NamedTuple):
       in tree order (a tuple of one per bucket with ``bucket_cap_mb``), this
       device's ``corrected - quantized``; without it, ``()``.
     rng_key: uint32 raw key data, split every step, the same on every device;
-      each device folds its index into the step's draw, so the rounding noise
-      is independent across devices.
+      each device draws its own streams of the step's key (``2 d + h`` for
+      device ``d``, hop ``h``), so the rounding noise is independent across
+      devices.
   """
 
   count: jax.Array

@@ -304,7 +304,7 @@ def randomk(
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket draws
       its own ``k = max(1, ceil(density * n_b))`` coordinates, from the step's
-      key folded with the bucket's index.
+      key derived with the bucket's index (:func:`jaxcomp._src.draws.derive`).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`RandomKState`.
