@@ -310,9 +310,9 @@ def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
     count=st.sampled_from([1, 3, 400]), seed=st.integers(0, 2**16))
 @pytest.mark.parametrize("route", ["select_topk", "exact_topk", "sampled_topk"])
 def test_a_non_finite_entry_is_always_selected(route, bad, count, seed):
-  """What ``sends_largest`` rests on: NaN and Inf rank above every finite
-  magnitude, so a non-finite bucket always sends one (more of them than
-  slots too)."""
+  """What ``payload_carries_nonfinite`` rests on for top-k, gTop-k and DGC:
+  NaN and Inf rank above every finite magnitude, so a non-finite bucket
+  always sends one (more of them than slots too)."""
   n, capacity = 8192, 64
   x = _normal(n, seed) * np.float32(1e30)
   x[np.random.default_rng(seed).choice(n, count, replace=False)] = bad

@@ -321,7 +321,7 @@ def dgc(
       init=lambda params, bucket: {"momentum": jnp.zeros((bucket.size,), jnp.float32)},
       bucket_fields=("momentum",),
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
-      sends_largest=True,
+      payload_carries_nonfinite=True,
       seed=seed, bucket_cap_mb=bucket_cap_mb,
       form=(lambda count: _stage(count, warmup_steps)) if warmup_steps else None))
 

@@ -525,7 +525,7 @@ def powersgd(
                   warm_start=warm_start, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=PowerSGDState, step=step, wire=wire_cost, init=init,
       layout=_layout(rank, min_compression_rate), error_feedback=True,
-      seed=None if warm_start else seed, linear_payload=True,
+      seed=None if warm_start else seed, payload_carries_nonfinite=True,
       message=_message(rank, min_compression_rate), bucket_cap_mb=bucket_cap_mb,
       bucket_fields=("q",)))
 
@@ -695,6 +695,7 @@ def acpsgd(
       config=dict(rank=rank, axis_name=axis_name, min_compression_rate=min_compression_rate,
                   seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=ACPSGDState, step=step, wire=wire_cost, init=init,
-      layout=_layout(rank, min_compression_rate), error_feedback=True, linear_payload=True,
+      layout=_layout(rank, min_compression_rate), error_feedback=True,
+      payload_carries_nonfinite=True,
       message=_message(rank, min_compression_rate), bucket_cap_mb=bucket_cap_mb,
       bucket_fields=("p", "q"), form=lambda count: count % 2))

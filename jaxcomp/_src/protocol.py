@@ -341,17 +341,15 @@ class Method:
     propagates_nonfinite: the exchange is a dense sum of the gradient, which
       carries a NaN or Inf to every device by itself, and there is no state
       to protect: no finiteness test, no poison.
-    linear_payload: every payload is a linear map of the corrected gradient
-      (matrix products, the dense leaves as they are), so a NaN or Inf in it
-      reaches the mean by itself (``x * 0`` is NaN for a non-finite ``x``):
-      no finiteness test of the corrected gradient and no poison, a pass
-      over it saved; the mean's test (or its witness's) still keeps the
-      state.
-    sends_largest: every payload holds the corrected gradient's entries of
-      largest magnitude (:mod:`jaxcomp.selection` ranks NaN and ``inf``
-      above every finite value) and sends their values as they are, so a
-      device whose corrected gradient is not finite sends a non-finite value
-      by itself: no finiteness test and no poison, as for ``linear_payload``.
+    payload_carries_nonfinite: a device whose corrected gradient holds a NaN
+      or Inf sends a non-finite value by itself, so that it reaches the mean:
+      every payload is a linear map of the corrected gradient (low-rank
+      products, the dense leaves as they are; ``x * 0`` is NaN for a
+      non-finite ``x``), or holds its entries of largest magnitude as they
+      are (top-k, gTop-k, DGC: :mod:`jaxcomp.selection` ranks NaN and
+      ``inf`` above every finite value). No finiteness test of the corrected
+      gradient and no poison, a pass over it saved; the mean's test (or its
+      witness's) still keeps the state.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
@@ -383,8 +381,7 @@ class Method:
   prepare: Optional[Callable] = None
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
-  linear_payload: bool = False
-  sends_largest: bool = False
+  payload_carries_nonfinite: bool = False
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -503,7 +500,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
       corrected = bucket.flatten(updates)
     if method.error_feedback:
       corrected = corrected + state.residual
-    if not (method.propagates_nonfinite or method.linear_payload or method.sends_largest):
+    if not (method.propagates_nonfinite or method.payload_carries_nonfinite):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
       ctx = dataclasses.replace(ctx, finite=all_finite(corrected))

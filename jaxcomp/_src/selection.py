@@ -211,8 +211,7 @@ def _prefix_sum_f32(x: jax.Array) -> jax.Array:
 def _scan_tree(x: jax.Array) -> jax.Array:
   m = x.shape[-1]
   if m <= _SCAN_TOP:
-    triangle = _TRIANGLE if m == _SCAN_BLOCK else np.triu(np.ones((m, m), np.float32))
-    return jnp.matmul(x, triangle, precision=lax.Precision.HIGHEST)
+    return jnp.matmul(x, np.triu(np.ones((m, m), np.float32)), precision=lax.Precision.HIGHEST)
   within = jnp.matmul(x.reshape(*x.shape[:-1], m // _SCAN_BLOCK, _SCAN_BLOCK), _TRIANGLE,
                       precision=lax.Precision.HIGHEST)
   totals = within[..., -1]

@@ -141,7 +141,8 @@ def topk(
       name="topk", config=dict(density=density, axis_name=axis_name,
                                error_feedback=use_residual, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=TopKState, step=step, wire=wire_cost,
-      error_feedback=use_residual, sends_largest=True, bucket_cap_mb=bucket_cap_mb))
+      error_feedback=use_residual, payload_carries_nonfinite=True,
+      bucket_cap_mb=bucket_cap_mb))
 
 
 # ------------------------------------------------------------------ gtopk
@@ -223,7 +224,7 @@ def gtopk(
       name="gtopk", config=dict(density=density, axis_name=axis_name,
                                 bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=GTopKState, step=step, wire=wire_cost, error_feedback=True,
-      sends_largest=True, bucket_cap_mb=bucket_cap_mb))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb))
 
 
 # ------------------------------------------------------------------ randomk
