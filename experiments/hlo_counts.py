@@ -159,23 +159,30 @@ def _read(param: _Instruction, users: dict, full: int) -> int:
   """Bytes of ``param`` a fusion reads: the slices it ends in, else all of it.
 
   Element-wise ops between the parameter and a slice (a convert, an add with
-  another operand of the same size) are computed on the slice only.
+  another operand of the same size) are computed on the slice only; a
+  ``broadcast`` on the way (a block's scale spread over its entries) reads
+  one element of ``param`` per element it repeats, so a slice after it reads
+  the slice's share of ``param``.
   """
   elements = _elements(param.shape)
   if elements == 0:
     return 0
   per_element = full / elements
-  read, frontier, seen = 0.0, [param], set()
+  # (instruction, elements of ``param`` per element of it)
+  read, frontier, seen = 0.0, [(param, 1.0)], set()
   while frontier:
-    current = frontier.pop()
+    current, ratio = frontier.pop()
+    size = _elements(current.shape)
     for user in users.get(current.name, []):
       if user.name in seen:
         continue
       seen.add(user.name)
       if user.op in _SLICES:
-        read += _elements(user.shape) * per_element
-      elif _elements(user.shape) == elements and user.op not in _IN_PLACE:
-        frontier.append(user)  # element-wise: follow it to what it feeds
+        read += _elements(user.shape) * ratio * per_element
+      elif user.op == "broadcast" and user.operands == [current.name]:
+        frontier.append((user, ratio * size / max(1, _elements(user.shape))))
+      elif _elements(user.shape) == size and user.op not in _IN_PLACE:
+        frontier.append((user, ratio))  # element-wise: follow it to what it feeds
       else:
         return full
     if not users.get(current.name) and current is not param:

@@ -52,6 +52,20 @@ def test_splitting_into_parts_is_one_read_and_one_write(x):
   chex.assert_trees_all_close(counts.passes, 2.0)
 
 
+def test_a_block_scale_read_through_slices_counts_its_share(x):
+  # Decoding blocks of 64 int8 levels with one f32 scale each, straight into
+  # 16 leaves: every leaf's kernel reads its own blocks' scales, not all.
+  levels = jnp.round(x * 10).astype(jnp.int8)
+  scales = jnp.abs(x[: N // 64]) + 1.0
+
+  def decode(q, s):
+    decoded = (q.astype(jnp.float32).reshape(-1, 64) * s[:, None]).reshape(-1)
+    return jnp.split(decoded, 16)
+  counts = _counts(decode, levels, scales)
+  assert counts.kernels == 16
+  chex.assert_trees_all_close(counts.passes, 1.0 + 1 / 4 + 1 / 64, rtol=1e-3)
+
+
 def test_an_in_place_scatter_moves_the_update_only(x):
   indices = jnp.arange(16) * 7
   counts = _counts(lambda v: v.at[indices].set(0.0), x, donate=(0,))
