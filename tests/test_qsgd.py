@@ -1,5 +1,7 @@
 """QSGD against a numpy oracle of its rule, and its statistics (8 fake CPU devices)."""
 
+import hypothesis
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +137,33 @@ def test_encoding_in_pieces_equals_encoding_the_padded_whole(codec, n):
   got = jax.jit(lambda x: two_hop._encode_padded(codec, x, block, size))(x)
   for g, w in zip(got, want):
     harness.assert_bitwise_equal(g, w)
+
+
+@hypothesis.settings(max_examples=16, deadline=None)
+@hypothesis.given(
+    bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
+    positions=st.lists(st.integers(0, 64 * 80 + 16), min_size=1, max_size=3, unique=True),
+    seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("codec", ["qsgd", "int8", "int4"])
+def test_a_non_finite_entry_makes_its_block_decode_non_finite(codec, bad, positions, seed):
+  """What ``payload_carries_nonfinite`` rests on for the two-hop quantizers: a
+  NaN or an infinity anywhere (the first entry of a block included, where
+  XLA:CPU's vectorised ``max`` drops a NaN) gives its block a non-finite
+  scale, and the block decodes to non-finite values; the other blocks stay
+  finite. Sizes where XLA:CPU does reduce with its vectorised kernels."""
+  block, size, n = 64, 88 * 64, 64 * 80 + 17
+  codec = {"qsgd": lambda: qsgd._codec(LEVELS, block, jax.random.key(3), 1),
+           "int8": lambda: quantized._codec(8, block),
+           "int4": lambda: quantized._codec(4, block)}[codec]()
+  x = np.random.default_rng(seed).normal(size=n).astype(np.float32) * np.float32(1e30)
+  x[positions] = bad
+  payload, scales = jax.jit(lambda x: two_hop._encode_padded(codec, x, block, size))(x)
+  decoded = np.asarray(codec.decode(payload, scales)).reshape(-1, block)
+  hit = np.zeros(size // block, bool)
+  hit[np.asarray(positions) // block] = True
+  assert not np.isfinite(np.asarray(scales)[hit]).any()
+  assert not np.isfinite(decoded[hit]).all(axis=1).any()
+  assert np.isfinite(np.asarray(scales)[~hit]).all() and np.isfinite(decoded[~hit]).all()
 
 
 @pytest.mark.parametrize("kwargs,error", [

@@ -347,9 +347,11 @@ class Method:
       products, the dense leaves as they are; ``x * 0`` is NaN for a
       non-finite ``x``), or holds its entries of largest magnitude as they
       are (top-k, gTop-k, DGC: :mod:`jaxcomp.selection` ranks NaN and
-      ``inf`` above every finite value). No finiteness test of the corrected
-      gradient and no poison, a pass over it saved; the mean's test (or its
-      witness's) still keeps the state.
+      ``inf`` above every finite value), or scales each block by a number
+      that is non-finite where the block is (the integer quantizer's largest
+      magnitude, NaN counted as ``inf``; QSGD's norm). No finiteness test of
+      the corrected gradient and no poison, a pass over it saved; the mean's
+      test (or its witness's) still keeps the state.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket

@@ -35,7 +35,12 @@ class QSGDState(NamedTuple):
 
 
 def _norms(blocks: jax.Array) -> jax.Array:
-  """The L2 norm of each row; rows whose squares overflow are scaled by their largest entry first."""
+  """The L2 norm of each row; rows whose squares overflow are scaled by their largest entry first.
+
+  A row holding a NaN or an infinity has a non-finite norm on either path
+  (its squares' sum, or ``x / max |x|``, is NaN or ``inf`` whatever the
+  ``max`` makes of a NaN), so it decodes to non-finite values.
+  """
   plain = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
 
   def scaled():
@@ -182,4 +187,5 @@ def qsgd(
       config=dict(levels=levels, axis_name=axis_name, bucket_size=bucket_size,
                   error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb))
+      error_feedback=error_feedback, seed=seed, payload_carries_nonfinite=True,
+      bucket_cap_mb=bucket_cap_mb))

@@ -36,11 +36,14 @@ def encode(x: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
   Per block ``b``: the scale ``s_b = max |x_b| / q`` with ``q = 2**(bits - 1) - 1``
   (127 or 7), each entry rounded to the nearest integer of ``x_i / s_b`` (in
   ``[-q, q]``); 8 bits: one int8 per entry; 4 bits: two entries per byte,
-  each as ``l + 8`` in a nibble (the first in the low one).
+  each as ``l + 8`` in a nibble (the first in the low one). A block holding a
+  NaN or an infinity has the scale ``inf`` (NaN counted as ``inf``: XLA:CPU's
+  vectorised ``max`` may drop a NaN), so it decodes to non-finite values.
   """
   blocks = x.reshape(-1, block)
   top = 2 ** (bits - 1) - 1
-  scales = jnp.max(jnp.abs(blocks), axis=1) / top
+  magnitude = jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks))
+  scales = jnp.max(magnitude, axis=1) / top
   level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
   level = jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1)
   if bits == 8:
@@ -152,4 +155,5 @@ def quantized(
       config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb))
+      error_feedback=error_feedback, payload_carries_nonfinite=True,
+      bucket_cap_mb=bucket_cap_mb))
