@@ -43,11 +43,14 @@ def pytrees(draw, dtypes=DTYPES, max_leaves=4):
   return {"a": leaves[:split], "b": {"c": leaves[split:]}}
 
 
-@hypothesis.given(tree=pytrees())
-def test_fusion_round_trip_is_the_identity(tree):
+@hypothesis.given(tree=pytrees(), tail=st.sampled_from([None, 0, 1, 61]))
+def test_fusion_round_trip_is_the_identity(tree, tail):
+  """Fused (with ``tail`` zeros after the leaves when given) and split again."""
   bucket = fusion.Bucket.of(tree)
-  flat = bucket.flatten(tree)
-  assert flat.shape == (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)),)
+  size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  flat = bucket.flatten(tree, None if tail is None else size + tail)
+  assert flat.shape == (size + (tail or 0),)
+  np.testing.assert_array_equal(np.asarray(flat[size:]), np.zeros(tail or 0, np.float32))
   again = bucket.unflatten(flat, like=tree)
   assert jax.tree.structure(again) == jax.tree.structure(tree)
   for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(tree)):

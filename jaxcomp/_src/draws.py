@@ -32,12 +32,8 @@ def _mix(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def bits(key: jax.Array, n: int, stream=0, offset: int = 0) -> jax.Array:
-  """``uint32[n]``: entry ``i`` is ``mix(mix((offset + i) ^ w0) ^ w1)``.
-
-  ``offset`` (a static int in ``[0, 2**32 - n]``) draws positions
-  ``offset, ..., offset + n - 1`` of the same sequence: a piece of a longer
-  draw, made on its own.
+def bits(key: jax.Array, n: int, stream=0) -> jax.Array:
+  """``uint32[n]``: entry ``i`` is ``mix(mix(i ^ w0) ^ w1)``.
 
   With ``d0, d1`` the key's first two data words and ``stream`` an int32
   scalar ``>= 0`` (traced or not): ``w0 = mix(d0 ^ mix(0x9E3779B9 (stream +
@@ -48,8 +44,7 @@ def bits(key: jax.Array, n: int, stream=0, offset: int = 0) -> jax.Array:
   salt = jnp.uint32(0x9E3779B9) * (jnp.asarray(stream).astype(jnp.uint32) + jnp.uint32(1))
   first = _mix(data[0] ^ _mix(salt))
   second = _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
-  position = lax.iota(jnp.uint32, n) + jnp.uint32(offset) if offset else lax.iota(jnp.uint32, n)
-  return _mix(_mix(position ^ first) ^ second)
+  return _mix(_mix(lax.iota(jnp.uint32, n) ^ first) ^ second)
 
 
 def derive(key: jax.Array, stream=0) -> jax.Array:
@@ -69,9 +64,9 @@ def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
   return derive(key, 1), derive(key, 0)
 
 
-def uniform(key: jax.Array, n: int, stream=0, offset: int = 0) -> jax.Array:
+def uniform(key: jax.Array, n: int, stream=0) -> jax.Array:
   """``f32[n]``, uniform on ``[0, 1)`` in steps of ``2**-24``: the top 24 of :func:`bits`."""
-  return (bits(key, n, stream, offset) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  return (bits(key, n, stream) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def integers(key: jax.Array, n: int, high: int) -> jax.Array:

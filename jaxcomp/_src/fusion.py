@@ -87,10 +87,15 @@ class Bucket:
       total += n
     return tuple(out)
 
-  def flatten(self, tree: chex.ArrayTree) -> jax.Array:
-    """``f32[size]``: the bucket's leaves of ``tree``, raveled and concatenated."""
+  def flatten(self, tree: chex.ArrayTree, length: Optional[int] = None) -> jax.Array:
+    """``f32[size]``: the bucket's leaves of ``tree``, raveled and concatenated;
+    ``f32[length]`` with ``length`` (at least ``size``): zeros after them, written by
+    the same concatenation."""
     leaves = jax.tree.leaves(tree)
-    return concat([leaves[i].reshape(-1).astype(jnp.float32) for i in self.leaves])
+    parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in self.leaves]
+    if length is not None and length > self.size:
+      parts.append(jnp.zeros((length - self.size,), jnp.float32))
+    return concat(parts)
 
   def split(self, flat: jax.Array) -> list[jax.Array]:
     """The leaves of a flat bucket, in their shapes, still f32."""

@@ -352,6 +352,12 @@ class Method:
       magnitude, NaN counted as ``inf``; QSGD's norm). No finiteness test of
       the corrected gradient and no poison, a pass over it saved; the mean's
       test (or its witness's) still keeps the state.
+    flat_length: ``flat_length(bucket, P) -> int``, at least ``bucket.size``:
+      the length of the fused gradient ``step`` receives, zeros after the
+      bucket's entries, written by the concatenation that fuses the leaves
+      (a codec's whole blocks: no block of the bucket is then read through a
+      slice, which XLA:CPU copies first); ``None``: ``bucket.size``. The
+      residual stays ``f32[bucket.size]``, and the mean too.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
@@ -384,6 +390,7 @@ class Method:
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
   payload_carries_nonfinite: bool = False
+  flat_length: Optional[Callable[[fusion.Bucket, int], int]] = None
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -495,13 +502,16 @@ def compressor(method: Method) -> optax.GradientTransformation:
     """
     ctx = Context(bucket, method.axes, checks.axis_sizes(method.axes),
                   state.count if counted else None, key=key, after=after, form=form)
+    length = bucket.size
+    if method.flat_length is not None:
+      length = method.flat_length(bucket, ctx.num_devices)
     if method.prepare is not None:
-      corrected, carry = method.prepare(ctx, bucket.flatten(updates), state)
+      corrected, carry = method.prepare(ctx, bucket.flatten(updates, length), state)
       ctx = dataclasses.replace(ctx, carry=carry)
     else:
-      corrected = bucket.flatten(updates)
+      corrected = bucket.flatten(updates, length)
     if method.error_feedback:
-      corrected = corrected + state.residual
+      corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
     if not (method.propagates_nonfinite or method.payload_carries_nonfinite):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
@@ -513,6 +523,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
       kept = out.residual
       if isinstance(kept, Zeroed):
         kept = error_feedback.zeroed(corrected, kept.indices)
+      if isinstance(kept, jax.Array) and length > bucket.size:
+        kept = kept[:bucket.size]
       written["residual"] = error_feedback.absorb(bucket, kept)
     if method.propagates_nonfinite:
       return out, written, None

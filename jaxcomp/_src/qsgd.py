@@ -51,16 +51,13 @@ def _norms(blocks: jax.Array) -> jax.Array:
   return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
 
 
-def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0,
-             offset: int = 0):
+def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0):
   """``(int8 levels [m * bucket_size], f32 norms [m])`` of a flat ``x``, padded with zeros.
 
   Per bucket ``b`` of ``bucket_size`` entries: ``l_i = floor(s |x_i| /
   ||x_b||)``, rounded up to ``l_i + 1`` with probability ``s |x_i| /
   ||x_b|| - l_i``, signed like ``x_i``: ``E[sign(x_i) l_i ||x_b|| / s] = x_i``.
-  The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``
-  at positions ``offset, offset + 1, ...`` (``x`` a piece of a longer
-  gradient, from entry ``offset``: the draws the whole would take there).
+  The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``.
   """
   n = x.shape[0]
   blocks = -(-n // bucket_size)
@@ -68,7 +65,7 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
   norms = _norms(padded)
   scaled = levels * jnp.abs(padded) / jnp.where(norms == 0, 1.0, norms)[:, None]
   floor = jnp.floor(scaled)
-  up = draws.uniform(key, padded.size, stream, offset).reshape(padded.shape) < scaled - floor
+  up = draws.uniform(key, padded.size, stream).reshape(padded.shape) < scaled - floor
   level = jnp.minimum(floor + up, levels) * jnp.sign(padded)
   return level.astype(jnp.int8).reshape(-1), norms
 
@@ -79,8 +76,8 @@ def _codec(levels: int, block: int, key, device) -> two_hop.Codec:
   The rounding draws of hop ``h`` (0: this device's gradient, 1: its chunk
   of the mean) are ``key``'s stream ``2 device + h``."""
 
-  def encode(x, hop, offset):
-    level, norms = quantize(x, levels, block, key, 2 * device + hop, offset)
+  def encode(x, hop):
+    level, norms = quantize(x, levels, block, key, 2 * device + hop)
     return lax.bitcast_convert_type(level, jnp.uint8), norms
 
   def decode(payload, norms):
@@ -187,5 +184,6 @@ def qsgd(
       config=dict(levels=levels, axis_name=axis_name, bucket_size=bucket_size,
                   error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, seed=seed, payload_carries_nonfinite=True,
+      flat_length=two_hop.flat_length(bucket_size), error_feedback=error_feedback, seed=seed,
+      payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

@@ -69,7 +69,7 @@ def _payload_bytes(bits: int):
 
 
 def _codec(bits: int, block: int) -> two_hop.Codec:
-  return two_hop.Codec(lambda x, hop, offset: encode(x, bits, block),
+  return two_hop.Codec(lambda x, hop: encode(x, bits, block),
                        lambda payload, scales: decode(payload, scales, bits),
                        _payload_bytes(bits))
 
@@ -155,5 +155,6 @@ def quantized(
       config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, payload_carries_nonfinite=True,
+      flat_length=two_hop.flat_length(block_size, multiple), error_feedback=error_feedback,
+      payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

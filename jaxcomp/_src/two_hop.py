@@ -1,7 +1,8 @@
 """A quantized mean in two hops, summed in f32: the path QSGD and the integer quantizer share.
 
 Each device's corrected gradient, padded to ``P`` equal chunks of ``C``
-entries (``C`` a multiple of the block), is encoded block by block into a
+entries (``C`` a multiple of the block; the shared path pads it as it fuses
+the leaves, :func:`flat_length`), is encoded block by block into a
 message per chunk: the payload bytes, then one f32 scale per block, divided
 by ``P`` before it is sent (so the sum is the mean and never overflows).
 
@@ -31,11 +32,10 @@ class Codec(NamedTuple):
   """How a method encodes blocks of ``block`` entries into bytes, and back.
 
   Attributes:
-    encode: ``encode(x, hop, offset) -> (payload, scales)``: ``x`` f32
-      ``[m * block]``, entries ``offset, ...`` of what is encoded;
-      ``payload`` uint8 ``[payload_bytes(m * block)]``, ``scales`` f32 ``[m]``;
-      ``hop`` is 0 for this device's gradient, 1 for its chunk of the mean.
-      Pieces encoded on their own and joined give the whole's encoding.
+    encode: ``encode(x, hop) -> (payload, scales)``: ``x`` f32
+      ``[m * block]``; ``payload`` uint8 ``[payload_bytes(m * block)]``,
+      ``scales`` f32 ``[m]``; ``hop`` is 0 for this device's gradient, 1
+      for its chunk of the mean.
     decode: ``decode(payload, scales) -> f32 [..., m * block]`` from uint8
       ``[..., payload_bytes(m * block)]`` and f32 ``[..., m]`` (leading axes
       batched).
@@ -77,48 +77,38 @@ def _unpacked(message: jax.Array, payload: int) -> tuple[jax.Array, jax.Array]:
   return message[..., :payload], scales
 
 
+def flat_length(block_size: int, multiple: int = 1) -> Callable:
+  """A method's ``flat_length``: its bucket padded to ``P`` chunks (:func:`chunking`)."""
+  return lambda bucket, devices: devices * chunking(bucket.size, devices, block_size,
+                                                    multiple)[1]
+
+
 def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
          chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(mean, sent, scales)``: the two-hop mean and this device's encoded gradient
-  decoded (what error feedback keeps the difference to), both f32 ``[n]``, and
-  the gathered scales of the mean, ``[P, C / B]``, finite exactly when the mean
-  is (a codec's levels are bounded): the step's witness.
+  """``(mean, sent, scales)``: the two-hop mean, f32 ``[n]``; this device's encoded
+  gradient decoded (what error feedback keeps the difference to), shaped like
+  ``corrected``; and the gathered scales of the mean, ``[P, C / B]``, finite
+  exactly when the mean is (a codec's levels are bounded): the step's witness.
 
   ``ctx``: the method's :class:`jaxcomp.protocol.Context` (its ``send``
   scales the scales by ``1/P`` and poisons them where this device's input
-  is not finite); ``corrected``: f32 ``[n]``; ``(block, chunk)`` from
+  is not finite), its bucket of ``n`` entries; ``corrected``: f32 ``[P C]``,
+  the bucket, then zeros (:func:`flat_length`); ``(block, chunk)`` from
   :func:`chunking`.
   """
-  n, devices = corrected.shape[0], ctx.num_devices
+  n, devices = ctx.bucket.size, ctx.num_devices
+  if corrected.shape[0] != devices * chunk:
+    raise ValueError(f"`corrected` must hold P C = {devices * chunk} entries (the bucket"
+                     f" padded by `flat_length`), got {corrected.shape[0]}")
   payload_bytes = codec.payload_bytes(chunk)
-  payload, scales = _encode_padded(codec, corrected, block, devices * chunk)
+  payload, scales = codec.encode(corrected, 0)
   outgoing = _pack(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
   chunk_mean = jnp.sum(codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)),
                        axis=0)
   gathered, gathered_scales = _unpacked(
-      ctx.allgather(_pack(*codec.encode(chunk_mean, 1, 0))), payload_bytes)
+      ctx.allgather(_pack(*codec.encode(chunk_mean, 1))), payload_bytes)
   decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
-  return decoded, codec.decode(payload, scales).reshape(-1)[:n], gathered_scales
-
-
-def _encode_padded(codec: Codec, x: jax.Array, block: int,
-                   size: int) -> tuple[jax.Array, jax.Array]:
-  """``codec``'s hop-0 encoding of ``x`` zero-padded to ``size`` entries (a multiple of
-  ``block``), without a padded copy of ``x``: its whole blocks are encoded where they
-  lie, the rest (the last partial block and the padding, under ``P + 1`` blocks)
-  from a small padded piece, and the two joined."""
-  n = x.shape[0]
-  whole = n // block * block
-  pieces = []
-  if whole:
-    pieces.append(codec.encode(x[:whole], 0, 0))
-  if size > whole:
-    pieces.append(codec.encode(jnp.pad(x[whole:], (0, size - n)), 0, whole))
-  if len(pieces) == 1:
-    return pieces[0]
-  (head_payload, head_scales), (tail_payload, tail_scales) = pieces
-  return (jnp.concatenate([head_payload, tail_payload]),
-          jnp.concatenate([head_scales, tail_scales]))
+  return decoded, codec.decode(payload, scales).reshape(-1), gathered_scales
 
 
 def wire_cost(payload_bytes: Callable[[int], int], n: int, block_size: int, sizes,
