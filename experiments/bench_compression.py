@@ -14,7 +14,9 @@ median, so a change in the machine's load falls on both alike. Beside the
 milliseconds it prints what the compiled program does, which does not move
 with the machine (:mod:`experiments.hlo_counts`): the kernels a step
 launches and its passes over memory, the bytes its kernels read and write
-over those of one f32 copy of the gradient. The last column
+over those of one f32 copy of the gradient; and the bytes of the buffers it
+allocates anew on every step (``fresh``, over the same unit: on CPU their
+first writes fault the pages in, which costs more than the passes). The last column
 is the formula's bytes per device per step for ``--devices`` workers on a
 ring, for scale. Every method also runs with buckets of ``--bucket-cap-mb``
 MiB (25 by default, torch DDP's; 0: one bucket only). ``--out`` writes the
@@ -512,7 +514,7 @@ def main(argv=None) -> None:
 
 
 SINGLE_COLUMNS = ("compressor", "ms/step", "x dense", "compile s", "kernels", "passes",
-                  "MB/dev")
+                  "fresh", "MB/dev")
 
 
 def _device_note() -> str:
@@ -538,7 +540,10 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " launches (fusions, copies, sorts, collectives...; a loop body once, a conditional's"
       " lightest branch that does any work) and the bytes they read and write over 4n, the"
       " bytes of one f32 copy of the gradient (dense reads and writes the gradient three"
-      " times: 6 passes)."
+      " times: 6 passes). **fresh** is the bytes of the buffers a step allocates anew"
+      " (XLA's memory analysis: temporaries and outputs, less the outputs written over the"
+      " donated state) over 4n: on CPU each is new memory on every step, whose first writes"
+      " fault its pages in, and it explains the milliseconds better than the passes do."
       f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
       " ring.", ""]
   log("\n".join(header))
@@ -561,11 +566,12 @@ def run_single(args, argv, table: dict, log=print) -> str:
     lines = []
     for label, tx in txs.items():
       counts = hlo_counts.count(compiled[label].program, n)
+      fresh = compiled[label].fresh_bytes
       mbytes = float(wire.expected_bytes(tx, grads, args.devices).total) / 1e6
       cells = [label, f"{step_s[label] * 1e3:.1f}",
                _ratio(step_s[label] / baseline if baseline else None),
                f"{compiled[label].compile_s:.1f}", f"{counts.kernels}", f"{counts.passes:.1f}",
-               f"{mbytes:.3f}"]
+               "" if fresh is None else f"{fresh / (4 * n):.1f}", f"{mbytes:.3f}"]
       log("  ".join(cells), flush=True)
       lines.append(cells)
     del compiled

@@ -149,11 +149,15 @@ class CompiledUpdate(NamedTuple):
     step: runs one step on the fixed gradient, the state fed back; returns
       ``(updates, state)`` without blocking.
     program: the compiled program's optimized HLO text.
+    fresh_bytes: the bytes of the buffers a step allocates anew (XLA's
+      temporaries and outputs, less the outputs written over a donated
+      input); ``None`` where the backend gives no memory analysis.
   """
 
   compile_s: float
   step: Callable[[], object]
   program: str
+  fresh_bytes: Optional[int] = None
 
 
 def compile_update(
@@ -183,7 +187,10 @@ def compile_update(
     out, state = update(per_device_grads, state)
     return out, state
 
-  return CompiledUpdate(compile_s, step, update.as_text())
+  memory = update.memory_analysis()
+  fresh = None if memory is None else (memory.temp_size_in_bytes + memory.output_size_in_bytes
+                                       - memory.alias_size_in_bytes)
+  return CompiledUpdate(compile_s, step, update.as_text(), fresh)
 
 
 def time_update(

@@ -151,8 +151,12 @@ def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   # One device: dense concatenates, all-reduces (a copy) and splits the gradient.
   assert by_label["allreduce"]["passes"] == "6.0"
   assert by_label["allreduce"]["x dense"] == "1.00"
+  # Its outputs at least are new buffers (the gradient is not donated), and at
+  # most the concatenation and the all-reduce's result besides.
+  assert 1.0 <= float(by_label["allreduce"]["fresh"]) <= 3.0
   for row in by_label.values():
     assert int(row["kernels"]) >= 3 and float(row["passes"]) >= 2.0
+    assert float(row["fresh"]) >= 1.0
 
 
 def test_buckets_add_a_row_per_method(tmp_path):
