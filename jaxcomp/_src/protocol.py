@@ -511,7 +511,10 @@ def compressor(method: Method) -> optax.GradientTransformation:
     else:
       corrected = bucket.flatten(updates, length)
     if method.error_feedback:
-      corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
+      residual = state.residual
+      if length > bucket.size:
+        residual = jnp.pad(residual, (0, length - bucket.size))
+      corrected = corrected + residual
     if not (method.propagates_nonfinite or method.payload_carries_nonfinite):
       # One reduction over the fused bucket: compile time stays linear in the
       # number of leaves (one per leaf grows with its square).
