@@ -542,8 +542,9 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " bytes of one f32 copy of the gradient (dense reads and writes the gradient three"
       " times: 6 passes). **fresh** is the bytes of the buffers a step allocates anew"
       " (XLA's memory analysis: temporaries and outputs, less the outputs written over the"
-      " donated state) over 4n: on CPU each is new memory on every step, whose first writes"
-      " fault its pages in, and it explains the milliseconds better than the passes do."
+      " donated state; a conditional's branches counted whether taken or not) over 4n: on CPU"
+      " each is new memory on every step, whose first writes fault its pages in, and it"
+      " explains the milliseconds better than the passes do."
       f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
       " ring.", ""]
   log("\n".join(header))

@@ -151,7 +151,8 @@ class CompiledUpdate(NamedTuple):
     program: the compiled program's optimized HLO text.
     fresh_bytes: the bytes of the buffers a step allocates anew (XLA's
       temporaries and outputs, less the outputs written over a donated
-      input); ``None`` where the backend gives no memory analysis.
+      input; the temporaries of a conditional's branches count whether the
+      branch runs or not); ``None`` where the backend gives no memory analysis.
   """
 
   compile_s: float
