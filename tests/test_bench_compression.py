@@ -84,9 +84,11 @@ def test_differences_and_ratios_come_from_the_same_row(report):
         continue
       assert r[0] != "allreduce"
       assert flat >= -half, (r[0], ratio)
+      if flat - half <= 0:
+        continue  # a whole within rounding of 0 (noise, under load) bounds no ratio
       part_ms = float(r[col[part]])
       corners = [p / f for p, f in itertools.product((part_ms - half, part_ms + half),
-                                                     (max(flat - half, 1e-3), flat + half))]
+                                                     (flat - half, flat + half))]
       assert min(corners) - half <= float(r[col[ratio]]) <= max(corners) + half, (r[0], ratio)
     goal = r[col["<= 0.6"]]
     if r[0] != "allreduce" and r[col["hier/flat"]] != "n/a":
