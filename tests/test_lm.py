@@ -63,8 +63,9 @@ def test_unknown_runs_are_refused_by_name():
     lm.config_from_args(["--runs", "diloco-nothing"])
 
 
-def test_signum_steps_by_the_sign_of_the_mean_at_adamw_s_learning_rate():
-  tx, schedule = lm.INNER["signum"](100), lm._schedule(100)
+def test_signum_steps_by_the_sign_of_the_mean_at_its_own_learning_rate():
+  tx, schedule = lm.INNER["signum"](100), lm._schedule(100, lm.TRAIN["signum_peak_lr"])
+  assert schedule(50) > 0 and schedule(50) != lm._schedule(100)(50)
   params = {"w": np.array([0.5, -2.0, 0.0], np.float32)}
   grads = {"w": np.array([3e-4, -7.0, 0.0], np.float32)}
   state = tx.init(params)
