@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,7 +19,8 @@ def lm_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("lm")
   done = subprocess.run(
       [sys.executable, "-m", "experiments.compare", "--task", "lm", "--runs",
-       "sync-dense,sync-demo,diloco-dense", "--steps", "12", "--eval-every", "6",
+       "sync-dense,sync-demo,diloco-dense", "--pretrain-steps", "3", "--steps", "12",
+       "--eval-every", "6",
        "--sync-period", "6", "--out", str(out), "--no-progress"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -32,12 +34,16 @@ def test_writes_the_table_the_json_and_both_plots(lm_run):
   report = json.loads((out / "lm.json").read_text())
   assert list(report["runs"]) == ["sync-dense", "sync-demo", "diloco-dense"]
   assert report["config"]["steps"] == 12 and report["config"]["sync_period"] == 6
+  assert report["config"]["pretrain_steps"] == 3
+  assert report["config"]["pretrain_tokens"] == 3 * 64 * 64
+  assert 0 < report["config"]["pretrain_val_loss"] < np.log(256) + 1
   for row in report["runs"].values():
     assert [h["step"] for h in row["history"]] == [6, 12]
     assert row["val_loss"] == row["history"][-1]["val_loss"] > 0
     assert row["bytes_match_formula"] and row["bytes_by_axes"] == row["bytes_by_axes_formula"]
   table = (out / "lm.md").read_text()
   assert "| diloco-dense | 6 | AdamW |" in table and "| sync-demo | 1 | signum |" in table
+  assert "every run from one checkpoint (3 synchronous dense AdamW steps" in table
   assert "## Goals" in stdout
 
 
@@ -73,3 +79,41 @@ def test_signum_steps_by_the_sign_of_the_mean_at_its_own_learning_rate():
     updates, state = tx.update(grads, state, params)
     want = -schedule(step) * (np.sign(grads["w"]) + lm.TRAIN["weight_decay"] * params["w"])
     np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+
+
+def test_every_run_starts_from_the_pretrained_checkpoint(monkeypatch):
+  from experiments import models
+  from jaxcomp import training
+
+  small = {"width": 16, "layers": 1, "heads": 2, "context": 8}
+  for key, value in small.items():
+    monkeypatch.setitem(lm.MODEL, key, value)
+  monkeypatch.setitem(lm.TRAIN, "batch_per_device", 1)
+  model = models.char_transformer(0, **small)
+  mesh = training.make_mesh((lm.GROUPS, lm.GROUP_SIZE), (lm.SLOW, lm.FAST))
+  stream = np.arange(1000, dtype=np.uint8)
+  untouched, seconds = lm.pretrain(lm.Config(pretrain_steps=0), model, stream, mesh)
+  assert untouched is model.params and seconds == 0
+  params, _ = lm.pretrain(lm.Config(pretrain_steps=2, progress=False), model, stream, mesh)
+  for before, after in zip(jax.tree.leaves(model.params), jax.tree.leaves(params)):
+    assert before.shape == after.shape and not np.array_equal(before, after)
+
+  started = {}
+
+  def train_run(name, config, model, *rest):
+    started[name] = model.params
+    return {"val_loss": 1.0, "slow_bytes_per_step": 1.0}
+
+  monkeypatch.setattr(lm, "train_run", train_run)
+  monkeypatch.setattr(lm, "pretrain", lambda *a: (params, 0.0))
+  monkeypatch.setattr(lm, "write", lambda *a: None)
+  monkeypatch.setattr(lm, "check_goals", lambda report: [])
+  report = lm.run(lm.Config(runs=("sync-dense", "diloco-dense"), progress=False))
+  assert set(started) == {"sync-dense", "diloco-dense"}
+  assert all(p is params for p in started.values())
+  assert report["config"]["pretrain_val_loss"] > 0
+
+
+def test_a_negative_pretraining_is_refused():
+  with pytest.raises(SystemExit):
+    lm.config_from_args(["--pretrain-steps", "-1"])
