@@ -118,7 +118,8 @@ class Run:
 # SparseLoCo runs at its paper's defaults (1/64 of every chunk of 4096,
 # error_decay 0.95). From the checkpoint it ended at 1.6126 against DiLoCo
 # dense's 1.5069 at H = 30; 1.5828 at density 1/32; 1.6934, 1.5717 and 1.5879
-# at error_decay 1.0, 0.8 and 0.5; at H = 15, 1.5608 against 1.4995. Plain
+# at error_decay 1.0, 0.8 and 0.5; 1.5991, 1.6007 and 1.6606 at outer lr 0.5,
+# 0.7 and 1.5; at H = 15, 1.5608 against 1.4995. Plain
 # top-k at 1/64 with exact values and full error feedback: 1.7955. Too few
 # syncs (20) for what the residual holds back to be sent.
 RUNS: dict[str, Run] = {
