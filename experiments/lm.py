@@ -208,8 +208,8 @@ def _adamw(steps: int) -> optax.GradientTransformation:
 
 
 def pretrain(config: Config, model, train_stream, mesh) -> tuple[dict, float]:
-  """``(params, seconds)``: ``config.pretrain_steps`` synchronous dense AdamW steps from ``model``'s
-  initialisation, the checkpoint every run continues from.
+  """``(params, seconds)``: the checkpoint every run continues from, ``config.pretrain_steps``
+  synchronous dense AdamW steps from ``model``'s initialisation.
 
   DiLoCo's paper runs DiLoCo from a model pretrained synchronously (24k steps
   before its 64k); so does this job, for every run alike. The warm-up of
@@ -659,7 +659,8 @@ def parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv=None) -> Config:
   args = parser().parse_args(argv)
-  return Config(runs=args.runs, pretrain_steps=args.pretrain_steps, steps=args.steps, eval_every=min(args.eval_every, args.steps),
+  return Config(runs=args.runs, pretrain_steps=args.pretrain_steps, steps=args.steps,
+                eval_every=min(args.eval_every, args.steps),
                 sync_period=args.sync_period, seed=args.seed, out=args.out,
                 progress=not args.no_progress)
 
