@@ -226,14 +226,24 @@ def pretrain(config: Config, model, train_stream, mesh) -> tuple[dict, float]:
   schedule = optax.warmup_constant_schedule(0.0, TRAIN["peak_lr"], warmup)
   run = _Sync(model, _compressor("allreduce", {}), mesh,
               optax.adamw(schedule, weight_decay=TRAIN["weight_decay"]))
-  stream = batches(train_stream, TRAIN["batch_per_device"] * GROUPS * GROUP_SIZE,
-                   MODEL["context"], config.seed + 1)
+  stream = _global_batches(train_stream, config.seed + 1)
   progress = _progress(config, "pretrain", config.pretrain_steps)
   for _ in range(config.pretrain_steps):
     run(training.shard(next(stream), mesh, (SLOW, FAST)))  # on the host: each step waited for
     progress.update(1)
   progress.close()
   return run.eval_params(), time.perf_counter() - started
+
+
+def _global_batches(train_stream: np.ndarray, seed: int):
+  """Endless batches of :func:`batches`, ``batch_per_device`` windows for every device."""
+  return batches(train_stream, TRAIN["batch_per_device"] * GROUPS * GROUP_SIZE,
+                 MODEL["context"], seed)
+
+
+def _tokens(steps: int) -> int:
+  """Tokens of ``steps`` steps of :func:`_global_batches`."""
+  return steps * TRAIN["batch_per_device"] * GROUPS * GROUP_SIZE * MODEL["context"]
 
 
 def _progress(config: Config, name: str, steps: int):
@@ -362,8 +372,7 @@ def train_run(name: str, config: Config, model, train_stream, eval_xy, mesh,
   run = (_Sync(model, compressor, mesh, inner) if mode == "sync"
          else _DiLoCo(model, compressor, mesh, inner, sync_period, outer,
                       spec.num_fragments))
-  global_batch = TRAIN["batch_per_device"] * GROUPS * GROUP_SIZE
-  stream = batches(train_stream, global_batch, MODEL["context"], config.seed)
+  stream = _global_batches(train_stream, config.seed)
   shard = lambda b: training.shard(b, mesh, (SLOW, FAST))
   batch = shard(next(stream))
   measured, formula = run.bytes_per_step(batch)
@@ -414,8 +423,7 @@ def run(config: Config) -> dict:
   from experiments.compare import ensure_devices
   from jaxcomp import training
 
-  devices = GROUPS * GROUP_SIZE
-  ensure_devices(devices)
+  ensure_devices(GROUPS * GROUP_SIZE)
   started = time.perf_counter()
   train_stream, validation = corpus()
   eval_xy = eval_windows(validation, MODEL["context"], TRAIN["eval_windows"])
@@ -441,13 +449,12 @@ def run(config: Config) -> dict:
           "mesh": {SLOW: GROUPS, FAST: GROUP_SIZE},
           **TRAIN,
           "pretrain_steps": config.pretrain_steps,
-          "pretrain_tokens": config.pretrain_steps * TRAIN["batch_per_device"] * devices
-                             * MODEL["context"],
+          "pretrain_tokens": _tokens(config.pretrain_steps),
           "pretrain_val_loss": pretrain_loss,
           "pretrain_s": pretrain_s,
           "steps": config.steps,
           "eval_every": config.eval_every,
-          "tokens": config.steps * TRAIN["batch_per_device"] * devices * MODEL["context"],
+          "tokens": _tokens(config.steps),
           "sync_period": config.sync_period,
           "outer_optimizer": dict(OUTER),
           "train_bytes": int(len(train_stream)),
