@@ -106,7 +106,10 @@ def test_error_feedback_absorbs_per_leaf_and_keeps_none_leaves(tree, keep_seed, 
   ways = [fusion.overwrite]
   if flag is not None:
     ways += [fusion._written_in_branch, fusion._written_selected]
-  written = [jax.jit(lambda r, f, way=way: way(r, pieces, f))(residual, flag) for way in ways]
+  # Given as they are, and as a function that forms them where they are written.
+  written = [jax.jit(lambda r, f, way=way, lazy=lazy: way(
+      r, (lambda: pieces) if lazy else pieces, f))(residual, flag)
+             for way in ways for lazy in (False, True)]
   for new in written:
     assert new.shape == residual.shape
     for o, n, x, same in zip(bucket.offsets, bucket.sizes, fresh, unchanged):

@@ -118,11 +118,14 @@ def demo(
     mean_coefficients = collectives.densify(
         gathered_values, selection.flat_positions(gathered_positions, chunk), chunks * chunk)
     mean = (mean_coefficients.reshape(chunks, chunk) @ inverse).reshape(-1)[:n]
-    own = collectives.densify(coefficients, selection.flat_positions(positions, chunk),
-                              chunks * chunk)
-    sent = (own.reshape(chunks, chunk) @ inverse).reshape(-1)[:n]
-    return protocol.Output(mean=mean, residual=error_decay * (corrected - sent),
-                           witness=gathered_values)
+
+    def kept():
+      own = collectives.densify(coefficients, selection.flat_positions(positions, chunk),
+                                chunks * chunk)
+      sent = (own.reshape(chunks, chunk) @ inverse).reshape(-1)[:n]
+      return error_decay * (corrected - sent)
+
+    return protocol.Output(mean=mean, residual=kept, witness=gathered_values)
 
   def wire_cost(bucket, sizes, steps):
     del steps

@@ -294,7 +294,7 @@ def dgc(
     # same pass, so the residual is one elementwise write over the bucket.
     return protocol.Output(
         mean=fusion.concat(means),
-        residual=error_feedback.zero_sent(
+        residual=lambda: error_feedback.zero_sent(
             jnp.pad(sent, (0, dense.size), constant_values=True), corrected),
         witness=witness,
         state={"momentum": momentum})

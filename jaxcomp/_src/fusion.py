@@ -176,36 +176,49 @@ class Pieces(NamedTuple):
 def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Array:
   """``old`` (``f32[n]``) with ``new`` written over it where the bool scalar ``keep`` holds.
 
-  ``new``: ``f32[n]``, or :class:`Pieces`, each written by one
-  ``dynamic-update-slice`` over its span of a donated ``old`` in place: no
-  concatenation of the pieces into a new buffer, no pass to keep or drop
-  them. With ``keep``, on CPU the writes sit in a conditional (without a
-  collective): XLA:CPU writes a span in place only when the kernel reads
-  nothing else of the buffer, so a ``where`` between the new and the old
-  values there would copy the whole buffer once per piece. Elsewhere the
-  ``where`` is fused into each write (a conditional on GPU reads its
-  predicate on the host). ``None``: always written.
+  ``new``: ``f32[n]``; or :class:`Pieces`, each written by one
+  ``dynamic-update-slice`` over its span of a donated ``old`` in place (no
+  concatenation of the pieces into a new buffer); or a function of no
+  arguments that returns either, called where the value is written. With
+  ``keep``, on CPU the pieces, and a function's whole computation, sit in a
+  conditional (without a collective) that writes them only where ``keep``
+  holds, so that no kernel reads ``old`` to keep it: XLA:CPU writes a span
+  in place only when the kernel reads nothing else of the buffer (a
+  ``where`` between the new and the old values would copy the whole buffer
+  once per piece), and a ``where`` over ``f32[n]`` reads all of ``old``. An
+  ``f32[n]`` computed beforehand gets that ``where``: a branch would copy
+  it. Elsewhere the ``where`` is fused into each write (a conditional on
+  GPU reads its predicate on the host). ``keep=None``: always written.
   """
-  if not isinstance(new, Pieces):
-    return new if keep is None else jnp.where(keep, new, old)
   if keep is None:
-    return _written(old, new)
+    return _written(old, _value(new))
+  if isinstance(new, jax.Array):
+    return jnp.where(keep, new, old)
   return lax.platform_dependent(
       old, cpu=lambda buffer: _written_in_branch(buffer, new, keep),
       default=lambda buffer: _written_selected(buffer, new, keep))
 
 
-def _written(buffer: jax.Array, new: Pieces) -> jax.Array:
+def _value(new):
+  return new() if callable(new) else new
+
+
+def _written(buffer: jax.Array, new) -> jax.Array:
+  if not isinstance(new, Pieces):
+    return new
   for offset, piece in zip(new.offsets, new.values):
     buffer = lax.dynamic_update_slice(buffer, piece.reshape(-1), (offset,))
   return buffer
 
 
-def _written_in_branch(buffer: jax.Array, new: Pieces, keep: jax.Array) -> jax.Array:
-  return lax.cond(keep, lambda b: _written(b, new), lambda b: b, buffer)
+def _written_in_branch(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
+  return lax.cond(keep, lambda b: _written(b, _value(new)), lambda b: b, buffer)
 
 
-def _written_selected(buffer: jax.Array, new: Pieces, keep: jax.Array) -> jax.Array:
+def _written_selected(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
+  new = _value(new)
+  if not isinstance(new, Pieces):
+    return jnp.where(keep, new, buffer)
   for offset, piece in zip(new.offsets, new.values):
     piece = piece.reshape(-1)
     kept = jnp.where(keep, piece, lax.dynamic_slice(buffer, (offset,), piece.shape))

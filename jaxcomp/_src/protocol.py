@@ -187,8 +187,12 @@ class Output(NamedTuple):
     residual: what stays behind: ``f32[bucket.size]``; or one array per
       bucket leaf (``None`` for a leaf whose residual stays as it is); or
       :class:`jaxcomp.protocol.Pieces`, the spans that change, written over
-      the old residual in place; or :class:`Zeroed` for a sparsifier;
-      ignored without error feedback.
+      the old residual in place; or :class:`Zeroed` for a sparsifier; or a
+      function of no arguments that returns one of these, called where the
+      residual is written (:func:`jaxcomp._src.fusion.overwrite`: on CPU
+      inside the branch that keeps the step, so that an elementwise
+      residual is written without a pass over the old one); ignored without
+      error feedback.
     state: new values of the method's own state fields, by name (a field
       sized by the bucket may be given as :class:`jaxcomp.protocol.Pieces`).
     witness: arrays that are all finite exactly when ``mean`` is (a
@@ -349,9 +353,10 @@ class Method:
       are (top-k, gTop-k, DGC: :mod:`jaxcomp.selection` ranks NaN and
       ``inf`` above every finite value), or scales each block by a number
       that is non-finite where the block is (the integer quantizer's largest
-      magnitude, NaN counted as ``inf``; QSGD's norm). No finiteness test of
-      the corrected gradient and no poison, a pass over it saved; the mean's
-      test (or its witness's) still keeps the state.
+      magnitude, NaN counted as ``inf``; QSGD's norm; signSGD's mean
+      magnitude). No finiteness test of the corrected gradient and no
+      poison, a pass over it saved; the mean's test (or its witness's) still
+      keeps the state.
     flat_length: ``flat_length(bucket, P) -> int``, at least ``bucket.size``:
       the length of the fused gradient ``step`` receives, zeros after the
       bucket's entries, written by the concatenation that fuses the leaves
@@ -524,11 +529,20 @@ def compressor(method: Method) -> optax.GradientTransformation:
     written = dict(out.state)
     if method.error_feedback:
       kept = out.residual
-      if isinstance(kept, Zeroed):
-        kept = error_feedback.zeroed(corrected, kept.indices)
-      if isinstance(kept, jax.Array) and length > bucket.size:
-        kept = kept[:bucket.size]
-      written["residual"] = error_feedback.absorb(bucket, kept)
+
+      def absorbed(kept=kept):
+        if callable(kept):
+          kept = kept()
+        if isinstance(kept, Zeroed):
+          kept = error_feedback.zeroed(corrected, kept.indices)
+        if isinstance(kept, jax.Array) and length > bucket.size:
+          kept = kept[:bucket.size]
+        return error_feedback.absorb(bucket, kept)
+
+      # Zeroed and a function are formed where the residual is written (inside
+      # the branch that keeps the step, on CPU): no pass over the old residual.
+      lazy = isinstance(kept, Zeroed) or callable(kept)
+      written["residual"] = absorbed if lazy else absorbed()
     if method.propagates_nonfinite:
       return out, written, None
     # The mean is identical on every device, so is this choice.

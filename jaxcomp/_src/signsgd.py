@@ -159,8 +159,9 @@ def signsgd(
     else:
       mean = jnp.sum(per_entry(scales) * all_signs, axis=0)
     # The signs are finite whatever was sent: the mean is finite exactly when the scales are.
-    return protocol.Output(mean=mean, residual=corrected - per_entry(scale) * signs(corrected),
-                           witness=scales)
+    return protocol.Output(
+        mean=mean, residual=lambda: corrected - per_entry(scale) * signs(corrected),
+        witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -172,4 +173,5 @@ def signsgd(
                   majority_vote=majority_vote, block_size=block_size,
                   bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=SignSGDState, step=step, wire=wire_cost,
-      error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb))
+      error_feedback=error_feedback, payload_carries_nonfinite=True,
+      bucket_cap_mb=bucket_cap_mb))

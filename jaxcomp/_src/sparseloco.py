@@ -158,8 +158,12 @@ def sparseloco(
     mean = collectives.densify(decode(all_codes, all_levels, k),
                                selection.flat_positions(all_positions, chunk),
                                chunks * chunk)[:n]
-    kept = padded.at[selection.flat_positions(positions, chunk)].add(-values, mode="drop")[:n]
-    return protocol.Output(mean=mean, residual=error_decay * kept, witness=all_levels)
+
+    def kept():
+      return error_decay * padded.at[selection.flat_positions(positions, chunk)].add(
+          -values, mode="drop")[:n]
+
+    return protocol.Output(mean=mean, residual=kept, witness=all_levels)
 
   def wire_cost(bucket, sizes, steps):
     del steps
