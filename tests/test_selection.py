@@ -324,3 +324,21 @@ def test_a_non_finite_entry_is_always_selected(route, bad, count, seed):
   }[route]
   values, _ = jax.jit(select)(jnp.asarray(x))
   assert not np.isfinite(np.asarray(values)).all()
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(
+    bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
+    count=st.sampled_from([1, 3, 400]), seed=st.integers(0, 2**16))
+def test_a_non_finite_entry_is_always_selected_in_its_row(bad, count, seed):
+  """What ``payload_carries_nonfinite`` rests on for DeMo and SparseLoCo: each
+  chunk that holds NaN or Inf sends one, and a finite chunk sends only finite values."""
+  rows, chunk, k = 64, 128, 2
+  x = _normal(rows * chunk, seed) * np.float32(1e30)
+  x[np.random.default_rng(seed).choice(x.size, count, replace=False)] = bad
+  x = x.reshape(rows, chunk)
+  values, positions = jax.jit(lambda x: selection.topk_per_row(x, k))(jnp.asarray(x))
+  bad_rows = ~np.isfinite(x).all(axis=1)
+  np.testing.assert_array_equal(~np.isfinite(np.asarray(values)).all(axis=1), bad_rows)
+  np.testing.assert_array_equal(np.asarray(values),
+                                np.take_along_axis(x, np.asarray(positions), axis=1))

@@ -138,4 +138,4 @@ def demo(
       config=dict(density=density, axis_name=axis_name, chunk_size=chunk_size,
                   error_decay=error_decay, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=DeMoState, step=step, wire=wire_cost, error_feedback=True,
-      bucket_cap_mb=bucket_cap_mb))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb))

@@ -350,9 +350,11 @@ class Method:
       every payload is a linear map of the corrected gradient (low-rank
       products, the dense leaves as they are; ``x * 0`` is NaN for a
       non-finite ``x``), or holds its entries of largest magnitude as they
-      are (top-k, gTop-k, DGC: :mod:`jaxcomp.selection` ranks NaN and
-      ``inf`` above every finite value), or scales each block by a number
-      that is non-finite where the block is (the integer quantizer's largest
+      are (top-k, gTop-k, DGC; per chunk, DeMo, whose non-finite chunk has
+      only non-finite DCT coefficients, and SparseLoCo, whose levels are
+      then non-finite: :mod:`jaxcomp.selection` ranks NaN and ``inf`` above
+      every finite value), or scales each block by a number that is
+      non-finite where the block is (the integer quantizer's largest
       magnitude, NaN counted as ``inf``; QSGD's norm; signSGD's mean
       magnitude). No finiteness test of the corrected gradient and no
       poison, a pass over it saved; the mean's test (or its witness's) still

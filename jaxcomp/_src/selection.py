@@ -480,8 +480,12 @@ def chunked(x: jax.Array, chunk: int, count: int) -> jax.Array:
 
 def topk_per_row(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """``(values [m, k], int32 positions [m, k])``: each row's ``k`` entries of largest
-  magnitude, largest first, the lowest position first on a tie (``lax.top_k``)."""
-  _, positions = lax.top_k(jnp.abs(rows), k)
+  magnitude, largest first, the lowest position first on a tie (``lax.top_k``).
+
+  NaN ranks as ``inf``, as in :func:`select_topk`: a row that is not finite
+  always has one of its non-finite entries selected."""
+  magnitude = jnp.abs(rows)
+  _, positions = lax.top_k(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), k)
   return jnp.take_along_axis(rows, positions, axis=1), positions
 
 

@@ -174,4 +174,4 @@ def sparseloco(
       config=dict(density=density, axis_name=axis_name, chunk_size=chunk_size,
                   error_decay=error_decay, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=SparseLoCoState, step=step, wire=wire_cost, error_feedback=True,
-      bucket_cap_mb=bucket_cap_mb))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb))
