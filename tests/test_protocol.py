@@ -129,6 +129,42 @@ def test_a_residual_formed_where_it_is_written_reads_the_old_one_once(make):
   assert _reads_of_old_residual(half("data")) == 2
 
 
+CARRIERS = {
+    "signsgd_blocks": lambda axis: jaxcomp.signsgd(axis, block_size=16),
+    "signsgd_vote": lambda axis: jaxcomp.signsgd(axis, majority_vote=True, block_size=16),
+    "demo": lambda axis: jaxcomp.demo(0.125, axis, chunk_size=32),
+    "sparseloco": lambda axis: jaxcomp.sparseloco(1 / 16, axis, chunk_size=64),
+}
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+@pytest.mark.parametrize("make", CARRIERS.values(), ids=CARRIERS.keys())
+def test_a_payload_that_carries_a_non_finite_gradient_skips_the_step_everywhere(make, bad):
+  """Methods without the finiteness test and its poison: one non-finite entry on one
+  device, in a block or chunk of its own, still makes every device's mean non-finite, and
+  the state stays as it was; the next finite step is finite."""
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+  mesh = training.make_mesh(8)
+  tx = make("data")
+  state = training.init_state(tx, params, mesh, "data")
+  update = training.make_update(tx, mesh, "data")
+  rng = np.random.default_rng(4)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32), params)
+             for _ in range(3)]
+  batches[1]["w"][3, 40, 17] = bad
+  outs, states = [], [jax.tree.map(np.asarray, state)]
+  for grads in batches:
+    out, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+    outs.append(jax.tree.map(np.asarray, out))
+    states.append(jax.tree.map(np.asarray, state))
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves((outs[0], outs[2])))
+  for device in range(8):
+    assert not all(np.isfinite(leaf[device]).all() for leaf in jax.tree.leaves(outs[1]))
+  chex.assert_trees_all_equal(states[2], states[1])
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(states[3])
+             if np.issubdtype(leaf.dtype, np.floating))
+
+
 class _Parts:
   """A user's container: the transformation sits in a dict attribute."""
 
