@@ -4,7 +4,8 @@ On one process with a mesh of one device the collectives cost next to
 nothing, so the time of ``update`` (compress, reduce, decompress) is the
 compressor's compute (:func:`experiments.compute.compile_update`). The rows
 are every method of :data:`jaxcomp.registry.METHODS` with its defaults
-(``--rank`` and ``--density`` replace its own) and the :data:`VARIANTS`.
+(``--rank`` and ``--density`` replace its own), the :data:`VARIANTS`, and
+each of the :data:`FORMS` of a method whose steps alternate (ACP-SGD).
 Gradient shapes are generated (``experiments.shapes``): ResNet-50 and a
 12-layer, width-768 transformer. Each row is the median of ``--repeats``
 rounds after a warm-up round; a round runs every compressor's step once, in
@@ -56,6 +57,7 @@ from experiments import compute
 from experiments import hlo_counts
 from experiments import shapes
 import jaxcomp
+from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
@@ -76,6 +78,11 @@ SLOW, FAST = "slow", "fast"
 
 # Extra rows beside each method's registry defaults: name -> configurations.
 VARIANTS = {"signsgd": ({"majority_vote": True},)}
+# Methods whose step takes one of several forms, by default: name -> {form: what it is}.
+# Each form gets a row of its own, the program that `training.make_step` compiles
+# for it (the form picked on the host), beside the one program that holds every
+# form in a conditional (what `update` alone compiles).
+FORMS = {"acpsgd": {0: "P step", 1: "Q step"}}
 
 
 def _label(name: str, config: dict) -> str:
@@ -105,9 +112,24 @@ def compressors(
     config = settings(method.name, rank, density)
     for variant in ({}, *VARIANTS.get(method.name, ()), *buckets):
       chosen = {**config, **variant}
-      table[_label(method.name, chosen)] = functools.partial(
-          registry.build, method.name, compute.AXIS, **chosen)
+      label = _label(method.name, chosen)
+      build = functools.partial(registry.build, method.name, compute.AXIS, **chosen)
+      table[label] = build
+      for form, what in FORMS.get(method.name, {}).items():
+        table[f"{label} {what}"] = functools.partial(in_form, build, form)
   return table
+
+
+def in_form(build: Callable[[], optax.GradientTransformation],
+            form: int) -> optax.GradientTransformation:
+  """``build()`` whose every step takes ``form``, as a program of
+  :func:`jaxcomp.training.make_step` picked on the host for it."""
+  tx = build()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    return tx.update(updates, state, params, **{**extra_args, protocol.FORM: form})
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 PROGRAMS = ("dense", "local_dense", "hier_dense", "half_local_dense", "flat", "flat_local",
@@ -546,7 +568,10 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " each is new memory on every step, whose first writes fault its pages in, and it"
       " explains the milliseconds better than the passes do."
       f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
-      " ring.", ""]
+      " ring. A method whose steps alternate between forms (ACP-SGD's P and Q steps)"
+      " has a row for the one program that holds both in a conditional (`update` alone)"
+      " and a row for each form's own program, as `training.make_step` compiles and picks"
+      " it on the host (its MB/dev the method's mean over its forms).", ""]
   log("\n".join(header))
   sections = []
   for model in models:

@@ -1,12 +1,16 @@
 """experiments.bench_compression on tiny shapes, one device and --fast (no timing thresholds)."""
 
 import itertools
+import re
 import statistics
 
 import pytest
 
 from experiments import bench_compression
+from experiments import compute
+from experiments import shapes
 from jaxcomp import registry
+from jaxcomp import training
 
 ONLY = ("topk", "powersgd")  # with allreduce, always run: three rows keep the test short
 REPEATS = 2
@@ -159,6 +163,34 @@ def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   for row in by_label.values():
     assert int(row["kernels"]) >= 3 and float(row["passes"]) >= 2.0
     assert float(row["fresh"]) >= 1.0
+
+
+def test_a_method_with_forms_has_a_row_per_form(tmp_path):
+  out = tmp_path / "forms.md"
+  bench_compression.main(["--model", "tiny", "--repeats", "1", "--rank", "2", "--only",
+                          "acpsgd", "--bucket-cap-mb", "0", "--out", str(out)])
+  ((header, rows),) = _tables(out.read_text())
+  labels = [row[0] for row in rows]
+  assert labels == ["allreduce", "acpsgd(rank=2)", "acpsgd(rank=2) P step",
+                    "acpsgd(rank=2) Q step"]
+
+
+def test_a_form_s_program_holds_its_exchange_outside_any_conditional():
+  """What `make_step` runs: the form picked on the host, its all-reduce in the entry
+  computation; the program of both forms holds each in a branch of a conditional."""
+  grads = shapes.zeros(bench_compression.tiny())
+  mesh = training.make_mesh(1)
+  build = lambda: registry.build("acpsgd", compute.AXIS, rank=2)  # noqa: E731
+
+  def all_reduces(tx):
+    text = compute.compile_update(tx, grads, mesh).program
+    entry = text[text.index("\nENTRY"):]
+    pattern = r"= \S+ all-reduce(-start)?\("
+    return len(re.findall(pattern, text)), len(re.findall(pattern, entry))
+
+  assert all_reduces(bench_compression.in_form(build, 0)) == (1, 1)
+  assert all_reduces(bench_compression.in_form(build, 1)) == (1, 1)
+  assert all_reduces(build()) == (2, 0)
 
 
 def test_buckets_add_a_row_per_method(tmp_path):
