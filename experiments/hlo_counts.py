@@ -85,8 +85,10 @@ class _Instruction(NamedTuple):
   attributes: str
 
 
-def _computations(text: str) -> dict[str, list[_Instruction]]:
-  """``{computation name: its instructions}``; the entry computation is ``"ENTRY"``."""
+def computations(text: str) -> dict[str, list[_Instruction]]:
+  """``{computation name: its instructions}`` of a program's text, each instruction's
+  ``name``, ``shape``, ``op``, ``operands`` (names) and ``attributes``; the entry
+  computation is ``"ENTRY"``."""
   computations: dict[str, list[_Instruction]] = {}
   current = None
   for line in text.splitlines():
@@ -203,10 +205,10 @@ def count(text: str, n: int) -> Counts:
   """The :class:`Counts` of an optimized HLO module's text, passes in units of ``f32[n]``."""
   if n < 1:
     raise ValueError(f"`n` must be >= 1, got {n}")
-  computations = _computations(_with_parameter_numbers(text))
-  if "ENTRY" not in computations:
+  parsed = computations(_with_parameter_numbers(text))
+  if "ENTRY" not in parsed:
     raise ValueError("`text` holds no ENTRY computation (pass compiled.as_text())")
-  weights = _weights("ENTRY", computations, n, ())
+  weights = _weights("ENTRY", parsed, n, ())
   by_op: dict[str, int] = {}
   for _, op, _ in weights:
     by_op[op] = by_op.get(op, 0) + 1

@@ -1,6 +1,5 @@
 """The shared path: a method written the way a newcomer would, the Spec search, the channel."""
 
-import re
 from typing import NamedTuple
 
 import chex
@@ -10,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from experiments import hlo_counts
 import jaxcomp
 from jaxcomp import protocol
 from jaxcomp import training
@@ -106,13 +106,10 @@ def _reads_of_old_residual(tx) -> int:
   grads = training.stack_per_device(params, mesh, "data")
   text = training.make_update(tx, mesh, "data", donate=True).lower(grads, state).compile(
   ).as_text()
-  entry = text[text.index("\nENTRY"):]
-  names = re.findall(r"%(\S*residual\S*) = f32\[\d+\]\{0\} parameter", entry)
+  entry = hlo_counts.computations(text)["ENTRY"]
+  names = [i.name for i in entry if i.op == "parameter" and "residual" in i.name]
   assert len(names) == 1, names
-  readers = [line for line in entry.splitlines()
-             if re.search(r"= \S+ (fusion|copy)\(", line)
-             and re.search(rf"[(, ]%{re.escape(names[0])}[,)]", line)]
-  return len(readers)
+  return sum(1 for i in entry if i.op in ("fusion", "copy") and names[0] in i.operands)
 
 
 @pytest.mark.parametrize("make", [
