@@ -193,7 +193,7 @@ def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Arra
   if keep is None:
     return _written(old, _value(new))
   if isinstance(new, jax.Array):
-    return jnp.where(keep, new, old)
+    return _written_selected(old, new, keep)
   return lax.platform_dependent(
       old, cpu=lambda buffer: _written_in_branch(buffer, new, keep),
       default=lambda buffer: _written_selected(buffer, new, keep))
