@@ -163,13 +163,26 @@ class MatrixView:
     return jnp.where(inside, values, 0.0)
 
   def uncolumns(self, columns: jax.Array, factor: str) -> jax.Array:
-    """The flat ``P`` (``factor="p"``) or ``Q`` buffer of ``[leaves, r, L]`` columns."""
-    parts, start = [], 0
+    """The flat ``P`` (``factor="p"``) or ``Q`` buffer of ``[leaves, r, L]`` columns.
+
+    One gather, the inverse of :meth:`columns`: entry ``(row, j)`` of the
+    ``k``-th compressed leaf's factor is ``columns[k, j, row]``. Its indices
+    are an int32 constant as large as the buffer (small: the factors), read
+    once; a transpose per group would be a kernel per group, and indices
+    computed from an iota would test every group's bounds at every entry.
+    """
+    index = []
+    leaf = 0
     for g, rows, cols in self.groups:
       n = rows if factor == "p" else cols
-      parts.append(jnp.swapaxes(columns[start:start + g, :, :n], -1, -2))
-      start += g
-    return _join(parts)
+      k, row, j = np.meshgrid(np.arange(leaf, leaf + g), np.arange(n), np.arange(self.rank),
+                              indexing="ij")
+      index.append(((k * self.rank + j) * columns.shape[-1] + row).reshape(-1))
+      leaf += g
+    if not index:
+      return jnp.zeros((0,), columns.dtype)
+    return columns.reshape(-1).at[np.concatenate(index).astype(np.int32)].get(
+        mode="promise_in_bounds")
 
 
 def _split(flat: jax.Array, shapes) -> list[jax.Array]:
