@@ -485,7 +485,12 @@ def topk_per_row(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   NaN ranks as ``inf``, as in :func:`select_topk`: a row that is not finite
   always has one of its non-finite entries selected."""
   magnitude = jnp.abs(rows)
-  _, positions = lax.top_k(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), k)
+  magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+  if k == 1:
+    # One reduction, not a sort: on XLA:CPU ``top_k`` took twice as long for k = 1.
+    positions = jnp.argmax(magnitude, axis=1, keepdims=True).astype(jnp.int32)
+  else:
+    _, positions = lax.top_k(magnitude, k)
   return jnp.take_along_axis(rows, positions, axis=1), positions
 
 
