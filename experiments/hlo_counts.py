@@ -14,9 +14,9 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
 * **passes**: the bytes those kernels read and write, divided by the bytes
   of one f32 buffer of ``n`` elements (the gradient's size): a step that
   reads the gradient once and writes it once makes 2 passes. A fusion's
-  operand that it only slices counts the slices it reads; a fusion whose
-  root updates a buffer in place (``scatter``, ``dynamic-update-slice``)
-  counts the update, not the buffer.
+  operand that it only slices counts the slices it reads; a kernel that
+  updates a buffer in place (``scatter``, ``dynamic-update-slice``, alone or
+  as a fusion's root) counts the update, not the buffer.
 
 Example::
 
@@ -254,6 +254,11 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
     if instruction.op == "fusion":
       (callee,) = _called(instruction, "calls")[:1] or ("",)
       moved = _fusion_traffic(instruction, computations.get(callee, []), sizes, shapes)
+    elif instruction.op in _IN_PLACE:
+      # Written over its first operand (copy insertion adds a copy where it
+      # cannot be): the update and the indices are read, the update written.
+      update = instruction.operands[1 if instruction.op == "dynamic-update-slice" else -1]
+      moved = sizes.get(update, 0) + sum(sizes.get(o, 0) for o in instruction.operands[1:])
     else:
       moved = _bytes(instruction.shape) + sum(sizes.get(o, 0) for o in instruction.operands)
     source = re.search(r'op_name="([^"]*)"', instruction.attributes)

@@ -72,6 +72,15 @@ def test_an_in_place_scatter_moves_the_update_only(x):
   assert counts.passes < 0.01, counts
 
 
+def test_an_in_place_update_outside_a_fusion_moves_the_update_only(x):
+  # A sort's output is not fused into its consumer: the update stays a bare
+  # dynamic-update-slice, written over the donated buffer.
+  counts = _counts(lambda v: lax.dynamic_update_slice(v, jnp.sort(v[:16]), (5,)), x,
+                   donate=(0,))
+  assert "dynamic-update-slice" in counts.by_op, counts
+  assert counts.passes < 0.01, counts
+
+
 def test_a_conditional_counts_its_lightest_branch(x):
   def fn(v):
     return lax.cond(v[0] > 0, lambda: v + 1, lambda: jnp.sort(v) + jnp.cumsum(v))

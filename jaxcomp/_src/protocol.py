@@ -194,7 +194,9 @@ class Output(NamedTuple):
       residual is written without a pass over the old one); ignored without
       error feedback.
     state: new values of the method's own state fields, by name (a field
-      sized by the bucket may be given as :class:`jaxcomp.protocol.Pieces`).
+      sized by the bucket may be given as :class:`jaxcomp.protocol.Pieces`,
+      or as a function of no arguments that returns its value or pieces,
+      called where it is written, as ``residual``).
     witness: arrays that are all finite exactly when ``mean`` is (a
       low-rank method's factors, a sparsifier's gathered values), to test
       instead of the n-sized mean;
