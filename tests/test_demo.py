@@ -1,5 +1,7 @@
 """DeMo's compressor against a numpy oracle of its rule (8 fake CPU devices)."""
 
+import hypothesis
+from hypothesis import strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,9 @@ from jaxcomp._src import selection
 import harness
 
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 entries: a partial last chunk
+# 199 entries: four chunks of 64, the last partial; at density 1/64 each device
+# sends one coefficient per chunk, and the 8 devices' 8 terms are summed as rows.
+WIDE = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((7,))}
 
 
 def _dct(size):
@@ -28,11 +33,12 @@ def test_the_dct_matrix_is_orthonormal_and_its_first_row_averages():
   np.testing.assert_allclose((d @ x)[0] / np.sqrt(16), x.mean(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk_size,density", [(16, 0.25), (8, 0.125), (53, 0.05)])
-def test_mean_and_residual_equal_the_numpy_oracle(chunk_size, density):
+@pytest.mark.parametrize("params,chunk_size,density", [
+    (PARAMS, 16, 0.25), (PARAMS, 8, 0.125), (PARAMS, 53, 0.05), (WIDE, 64, 1 / 64)])
+def test_mean_and_residual_equal_the_numpy_oracle(params, chunk_size, density):
   decay = 0.9
   tx = jaxcomp.demo(density, "data", chunk_size=chunk_size, error_decay=decay)
-  grads, mean, residuals = harness.one_step_of_normal_gradients(tx, PARAMS, chunk_size)
+  grads, mean, residuals = harness.one_step_of_normal_gradients(tx, params, chunk_size)
   n = grads.shape[1]
   chunk, chunks, k = selection.chunks(n, chunk_size, density)
   d = _dct(chunk)
@@ -48,6 +54,28 @@ def test_mean_and_residual_equal_the_numpy_oracle(chunk_size, density):
                                rtol=1e-4, atol=1e-5)
   # f32 products and XLA's summation order against float64.
   np.testing.assert_allclose(mean, (total @ d).reshape(-1)[:n], rtol=1e-4, atol=1e-5)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(devices=st.integers(1, 3), chunks=st.integers(1, 9), chunk=st.integers(1, 40),
+                  share=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_inverse_of_sparse_coefficients_sums_their_basis_rows(devices, chunks, chunk, share,
+                                                              seed):
+  # Both forms: few terms are summed as rows, many are densified and multiplied.
+  k = max(1, round(share * chunk))
+  rng = np.random.default_rng(seed)
+  values = rng.normal(size=(devices, chunks, k)).astype(np.float32)
+  positions = np.stack([np.stack([rng.permutation(chunk)[:k] for _ in range(chunks)])
+                        for _ in range(devices)]).astype(np.uint8)
+  inverse = rng.normal(size=(chunk, chunk)).astype(np.float32)
+  want = np.zeros((chunks, chunk))
+  for d in range(devices):
+    for c in range(chunks):
+      for j in range(k):
+        want[c] += float(values[d, c, j]) * inverse[positions[d, c, j]].astype(np.float64)
+  got = demo.inverse_of_sparse(jnp.asarray(values), jnp.asarray(positions), jnp.asarray(inverse))
+  # f32 sums of at most 3 * 40 products against float64.
+  np.testing.assert_allclose(np.asarray(got).reshape(chunks, chunk), want, rtol=1e-4, atol=1e-4)
 
 
 def test_message_bytes_follow_the_formula():

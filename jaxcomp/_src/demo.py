@@ -46,6 +46,36 @@ def dct_matrix(size: int) -> jax.Array:
   return jnp.asarray(d, jnp.float32)
 
 
+# The inverse DCT of a chunk that holds ``t`` coefficients is a sum of ``t``
+# rows of the basis, ``t`` multiply-adds per entry against ``C`` for the
+# densified chunk times the basis; the sum is taken while ``t`` is at most
+# ``C / 8`` (on XLA:CPU, 52 against 93 ms for ResNet-50's 25.6M entries at
+# ``t = 1``, 83 against 143 at ``t = 8``; even near ``t = C / 4``).
+_SUM_SHARE = 8
+
+
+def inverse_of_sparse(values: jax.Array, positions: jax.Array, inverse: jax.Array) -> jax.Array:
+  """``f32[chunks * C]``: the chunks whose only nonzero coefficients are ``values`` at
+  ``positions``, each times ``inverse`` (``f32[C, C]``).
+
+  ``values`` f32 and ``positions`` (any int dtype, in ``[0, C)``) are
+  ``[..., chunks, k]``: the leading axes (devices) add up. Chunk ``c`` is
+  ``sum over the leading axes and j of values[..., c, j] inverse[positions[..., c, j]]``,
+  as a sum of rows when there are few terms (no ``chunks x C`` buffer of
+  zeros, no product with ``inverse``), else densified and multiplied.
+  """
+  chunk = inverse.shape[0]
+  chunks, k = values.shape[-2:]
+  if values.size // chunks * _SUM_SHARE > chunk:
+    dense = collectives.densify(values, selection.flat_positions(positions, chunk), chunks * chunk)
+    return (dense.reshape(chunks, chunk) @ inverse).reshape(-1)
+  values = values.reshape(-1, chunks, k)
+  positions = positions.reshape(values.shape).astype(jnp.int32)
+  terms = [values[d, :, j, None] * inverse[positions[d, :, j]]
+           for d in range(values.shape[0]) for j in range(k)]
+  return sum(terms[1:], terms[0]).reshape(-1)
+
+
 def message_bytes(n: int, chunk_size: int, density: float) -> int:
   """Bytes of one device's message for ``n`` entries: per chunk, ``k`` f32 coefficients and
   ``k`` uint8 positions."""
@@ -115,14 +145,10 @@ def demo(
     values = ctx.send(coefficients)
     gathered_values, gathered_positions = collectives.allgather(values, ctx.axes), ctx.allgather(
         positions.astype(jnp.uint8))
-    mean_coefficients = collectives.densify(
-        gathered_values, selection.flat_positions(gathered_positions, chunk), chunks * chunk)
-    mean = (mean_coefficients.reshape(chunks, chunk) @ inverse).reshape(-1)[:n]
+    mean = inverse_of_sparse(gathered_values, gathered_positions, inverse)[:n]
 
     def kept():
-      own = collectives.densify(coefficients, selection.flat_positions(positions, chunk),
-                                chunks * chunk)
-      sent = (own.reshape(chunks, chunk) @ inverse).reshape(-1)[:n]
+      sent = inverse_of_sparse(coefficients, positions, inverse)[:n]
       return error_decay * (corrected - sent)
 
     return protocol.Output(mean=mean, residual=kept, witness=gathered_values)
