@@ -308,6 +308,32 @@ def test_send_scales_by_the_group_and_poisons_on_demand():
   assert np.isnan(np.asarray(mean)).all()
 
 
+def test_a_message_of_parts_is_packed_with_the_order_token_in_every_part():
+  mesh = training.make_mesh(8)
+  bucket = jaxcomp.protocol.Bucket.of(PARAMS)
+
+  def body(payload, scales, after):
+    # A token of 1, not the 0 of a real exchange, so that it shows.
+    ctx = protocol.Context(bucket, ("data",), (8,), after=after[0])
+    return (ctx.allgather([payload, scales]), ctx.all_to_all([payload, scales]),
+            ctx.packed([payload]))
+
+  rng = np.random.default_rng(0)
+  payload = rng.integers(0, 255, size=(8, 8, 5), dtype=np.uint8)
+  scales = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"),
+                             out_specs=(jax.P(None, "data"), jax.P("data"), jax.P("data")),
+                             check_vma=False))
+  gathered, exchanged, alone = fn(payload.reshape(64, 5), scales.reshape(64, 3),
+                                  np.ones(8, np.float32))
+  message = np.concatenate([payload, scales], axis=-1) + np.uint8(1)  # [device, row, byte]
+  np.testing.assert_array_equal(np.asarray(gathered).reshape(8, 8, 8, 8)[:, 0], message)
+  # Row j of device i's message went to device j.
+  np.testing.assert_array_equal(np.asarray(exchanged).reshape(8, 8, 8),
+                                message.transpose(1, 0, 2))
+  np.testing.assert_array_equal(np.asarray(alone).reshape(8, 8, 5), payload + np.uint8(1))
+
+
 def test_a_seed_needs_a_key_field():
   method = protocol.Method(
       name="bad", config={}, axes=("data",), state=HalfState,

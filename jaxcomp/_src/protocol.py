@@ -140,13 +140,33 @@ class Context:
     """The gTop-k butterfly of ``(values / P, indices)``: the global top-k of the mean."""
     return collectives.gtopk_allreduce(self.send(values), self.ordered(indices), k, self.axes)
 
-  def allgather(self, message: jax.Array) -> jax.Array:
-    """Every device's ``message`` (bytes; floats in it went through :meth:`send`)."""
-    return collectives.allgather(self.ordered(message), self.axes)
+  def packed(self, parts: Sequence[jax.Array]) -> jax.Array:
+    """Byte arrays ``[..., L_i]`` end to end along the last axis, :attr:`after` added to each.
 
-  def all_to_all(self, message: jax.Array) -> jax.Array:
-    """Row ``i`` of ``message`` (``[P, ...]`` bytes) to device ``i``; row ``j`` back from device ``j``."""
-    return collectives.all_to_all(self.ordered(message), self.axes)
+    The token goes into each part, not into the concatenated message:
+    XLA:CPU emits a fusion that ends in a concatenation as one loop per part,
+    but one that adds to the concatenation as a single loop that picks the
+    part of every byte, which made QSGD's encoding of a bucket after the
+    first 2-3 times as slow (ResNet-50 in 25 MiB buckets: 1.89 against 1.16x
+    dense).
+    """
+    parts = [self.ordered(p) for p in parts]
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+  def _message(self, message) -> jax.Array:
+    if isinstance(message, (list, tuple)):
+      return self.packed(message)
+    return self.ordered(message)
+
+  def allgather(self, message: Union[jax.Array, Sequence[jax.Array]]) -> jax.Array:
+    """Every device's ``message``: bytes, or byte parts sent as one message
+    (:meth:`packed`); floats in it went through :meth:`send`."""
+    return collectives.allgather(self._message(message), self.axes)
+
+  def all_to_all(self, message: Union[jax.Array, Sequence[jax.Array]]) -> jax.Array:
+    """Row ``i`` of ``message`` (``[P, ...]`` bytes, or byte parts as for
+    :meth:`allgather`) to device ``i``; row ``j`` back from device ``j``."""
+    return collectives.all_to_all(self._message(message), self.axes)
 
   def switch(self, branches: Sequence[Callable], *operands):
     """``branches[form](*operands)``, for this step's :attr:`form`.

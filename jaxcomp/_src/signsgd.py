@@ -147,10 +147,8 @@ def signsgd(
       per_entry = lambda s: jnp.repeat(s, block_size, axis=-1, total_repeat_length=(
           num_blocks(n) * block_size))[..., :n]
     scale_bytes = _SCALE_BYTES * scale.shape[0]
-    message = jnp.concatenate(
-        [pack_signs(corrected),
-         lax.bitcast_convert_type(ctx.send(scale), jnp.uint8).reshape(-1)])
-    gathered = ctx.allgather(message)
+    gathered = ctx.allgather(
+        [pack_signs(corrected), lax.bitcast_convert_type(ctx.send(scale), jnp.uint8).reshape(-1)])
     scales = lax.bitcast_convert_type(
         gathered[:, -scale_bytes:].reshape(gathered.shape[0], -1, _SCALE_BYTES), jnp.float32)
     all_signs = unpack_signs(gathered[:, :-scale_bytes], n)

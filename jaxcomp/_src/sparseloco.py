@@ -142,11 +142,9 @@ def sparseloco(
     codes, positions, levels, values = encode(padded, chunk, k)
     # Codes and positions as bytes, beside the magnitudes as they go on the
     # wire (divided by P, NaN when this device's gradient is not finite).
-    payload = jnp.concatenate(
+    gathered = ctx.allgather(  # [P, chunks, bytes]
         [codes, lax.bitcast_convert_type(positions, jnp.uint8).reshape(chunks, -1),
-         lax.bitcast_convert_type(ctx.send(levels), jnp.uint8).reshape(chunks, -1)],
-        axis=1)
-    gathered = ctx.allgather(payload)  # [P, chunks, bytes]
+         lax.bitcast_convert_type(ctx.send(levels), jnp.uint8).reshape(chunks, -1)])
     code_bytes = -(-k // 4)
     all_codes = gathered[..., :code_bytes]
     all_positions = lax.bitcast_convert_type(

@@ -64,14 +64,15 @@ def message_bytes(payload_bytes: Callable[[int], int], chunk: int, block: int) -
   return payload_bytes(chunk) + 4 * (chunk // block)
 
 
-def _pack(payload: jax.Array, scales: jax.Array) -> jax.Array:
-  """uint8 ``[..., L + 4 m]``: the payload, then the f32 scales as bytes."""
+def _parts(payload: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The parts of a message ``[..., L + 4 m]`` (:meth:`jaxcomp.protocol.Context.packed`):
+  the payload, uint8 ``[..., L]``, then the f32 scales ``[..., m]`` as bytes."""
   scale_bytes = lax.bitcast_convert_type(scales, jnp.uint8)
-  return jnp.concatenate([payload, scale_bytes.reshape(scales.shape[:-1] + (-1,))], axis=-1)
+  return payload, scale_bytes.reshape(scales.shape[:-1] + (-1,))
 
 
 def _unpacked(message: jax.Array, payload: int) -> tuple[jax.Array, jax.Array]:
-  """``(payload bytes, f32 scales)`` of :func:`_pack`'s messages ``[..., payload + 4 m]``."""
+  """``(payload bytes, f32 scales)`` of messages ``[..., payload + 4 m]`` (:func:`_parts`)."""
   scales = lax.bitcast_convert_type(
       message[..., payload:].reshape(message.shape[:-1] + (-1, 4)), jnp.float32)
   return message[..., :payload], scales
@@ -102,11 +103,11 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
                      f" padded by `flat_length`), got {corrected.shape[0]}")
   payload_bytes = codec.payload_bytes(chunk)
   payload, scales = codec.encode(corrected, 0)
-  outgoing = _pack(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
+  outgoing = _parts(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
   chunk_mean = jnp.sum(codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)),
                        axis=0)
   gathered, gathered_scales = _unpacked(
-      ctx.allgather(_pack(*codec.encode(chunk_mean, 1))), payload_bytes)
+      ctx.allgather(_parts(*codec.encode(chunk_mean, 1))), payload_bytes)
   decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
   return decoded, codec.decode(payload, scales).reshape(-1), gathered_scales
 
