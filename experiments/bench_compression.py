@@ -32,9 +32,9 @@ over ``"fast"``. Its compression compute is each step less its dense
 counterpart's, every exchange taken out; the dense programs are timed in the
 same rounds as each method (:class:`HierarchicalRow`, :data:`DEFINITIONS`).
 
-  python -m experiments.bench_compression --model resnet50 --repeats 9 \\
+  python -m experiments.bench_compression --model all --repeats 9 \\
       --out experiments/results/bench_compression.md
-  python -m experiments.bench_compression --fast 2 --model resnet50 \\
+  python -m experiments.bench_compression --fast 2 --model resnet50 --repeats 9 \\
       --out experiments/results/bench_compression_hierarchical.md
 """
 
