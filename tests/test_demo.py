@@ -57,6 +57,8 @@ def test_mean_and_residual_equal_the_numpy_oracle(params, chunk_size, density):
 
 
 @hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.example(devices=1, chunks=3, chunk=40, share=0.0, seed=0)  # 1 term: rows
+@hypothesis.example(devices=3, chunks=2, chunk=8, share=0.5, seed=1)  # 12 terms: product
 @hypothesis.given(devices=st.integers(1, 3), chunks=st.integers(1, 9), chunk=st.integers(1, 40),
                   share=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
 def test_inverse_of_sparse_coefficients_sums_their_basis_rows(devices, chunks, chunk, share,
