@@ -289,9 +289,8 @@ def dgc(
       35 for ResNet-50). Formed again from its inputs where it is written, not
       shared with ``prepare``'s (XLA would write that out and read it back)."""
       head, _ = accumulate(state.momentum[:sparse.size], ctx.carry[:sparse.size])
-      pieces = [(0, error_feedback.zero_sent(sent, head)), (sparse.size, dense_momentum)]
-      pieces = [(offset, piece) for offset, piece in pieces if piece.size]
-      return fusion.Pieces(tuple(o for o, _ in pieces), tuple(p for _, p in pieces))
+      return fusion.Pieces((0, sparse.size),
+                           (error_feedback.zero_sent(sent, head), dense_momentum))
 
     # What was sent leaves the velocity. The dense leaves are sent exactly:
     # their residual is 0 (it never holds anything), written as such in the
