@@ -313,9 +313,10 @@ def _products(p_factors, q_factors) -> list[jax.Array]:
   return [product(p, q) for p, q in zip(p_factors, q_factors)]
 
 
-def _transposed_products(matrices: list[jax.Array], p_factors: list[jax.Array]) -> list[jax.Array]:
-  """``M^T P`` of every group (``[count, rows, cols]`` and ``[count, rows, r]`` batches in,
-  ``[count, cols, r]`` out).
+def _transposed_products(matrices: list[jax.Array], p_factors: list[jax.Array],
+                         headroom: list[jax.Array]) -> list[jax.Array]:
+  """``M^T (P / h)`` of every group (``[count, rows, cols]`` and ``[count, rows, r]``
+  batches and ``P``'s headroom ``h`` in, ``[count, cols, r]`` out).
 
   Formed as ``P^T M`` (``[count, r, cols]``) behind an optimisation barrier,
   then transposed (``r cols`` entries a leaf, small). Left to lay the product
@@ -323,8 +324,9 @@ def _transposed_products(matrices: list[jax.Array], p_factors: list[jax.Array]) 
   transposed, three times slower (18 ms against 6 for ResNet-50's matrices at
   rank 4).
   """
-  return [jnp.swapaxes(lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p)), 1, 2)
-          for m, p in zip(matrices, p_factors)]
+  return [jnp.swapaxes(lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p * (1 / h))),
+                       1, 2)
+          for m, p, h in zip(matrices, p_factors, headroom)]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -525,7 +527,7 @@ def powersgd(
     # A column of M_i^T P^ reaches sqrt(rows) times the largest entry of M_i: it is
     # taken with P^ / h and sent so; P^ h stands beside it in every product.
     p_room = view.headroom("p")
-    local_q = _transposed_products(matrices, [p * (1 / h) for p, h in zip(p_hat, p_room)])
+    local_q = _transposed_products(matrices, p_hat, p_room)
     q_mean = ctx.mean(_join(local_q))
     p_beside = [p * h for p, h in zip(p_hat, p_room)]
     # The state holds the reduced Q itself where its column fits in f32, and the
@@ -692,7 +694,7 @@ def acpsgd(
 
     def q_step(matrices):
       p_hat, p_room = view.p_factors(state.p), view.headroom("p")
-      local = _transposed_products(matrices, [p * (1 / h) for p, h in zip(p_hat, p_room)])
+      local = _transposed_products(matrices, p_hat, p_room)
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       q_mean = reduced[:view.q_size]
       p_beside = _join([p * h for p, h in zip(p_hat, p_room)])
