@@ -12,6 +12,7 @@ import pytest
 import jaxcomp
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import wire as wire_src
 import harness
 
 _ASYNC_HLO = """HloModule jit_step, entry_computation_layout={(f32[64]{0})->f32[64]{0}}, num_partitions=4
@@ -75,6 +76,75 @@ def test_axes_are_read_from_the_device_groups():
   axes = {op.name: op.axes for op in wire.collective_bytes(
       transposed, mesh_shape={"x": 2, "y": 2}).ops}
   assert axes["ar.p"] == ("x",)  # groups {0, 2} and {1, 3}: down the columns
+
+
+# Newer XLA's text (read off XLA:GPU's program of a bucketed step): an async start's
+# operands as a tuple of their own, values and indices of a permute in one
+# variadic collective, device groups stated by mesh axes.
+_MESH_HLO = """HloModule jit_step, entry_computation_layout={(f32[64]{0})->f32[64]{0}}, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[64], i: s32[16]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %i = s32[16]{0} parameter(1)
+  %ars = ((f32[64]{0}), f32[64]{0}) all-reduce-start(%x), channel_id=1, replica_groups=mesh['data'=8] {'data'}, use_global_device_ids=true, to_apply=%add, output_to_operand_aliasing={{1}: (0, {})}
+  %ard = f32[64]{0} all-reduce-done(%ars)
+  %v = f32[16]{0} slice(%ard), slice={[0:16]}
+  %cps = ((s32[16]{0}, f32[16]{0}), (s32[16]{0}, f32[16]{0})) collective-permute-start(%i, %v), channel_id=2, source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
+  %cpd = (s32[16]{0}, f32[16]{0}) collective-permute-done(%cps)
+  %ags = ((f32[16]{0}), f32[64]{0}) all-gather-start(%v), channel_id=3, replica_groups=mesh['dcn'=2,'ici'=4] {'ici'}, dimensions={0}, use_global_device_ids=true
+  %agd = f32[64]{0} all-gather-done(%ags)
+  %rs = f32[32]{0} reduce-scatter(%agd), channel_id=4, replica_groups=mesh['dcn'=2,'ici'=4] {'dcn'}, dimensions={0}, to_apply=%add
+  ROOT %ar = f32[64]{0} all-reduce(%agd), channel_id=5, replica_groups=mesh['x'=8] {'x':(2)2}, to_apply=%add
+}
+"""
+
+
+def test_newer_xla_text_async_operand_tuples_and_mesh_axis_groups():
+  sent = {op.name: op for op in wire.collective_bytes(_MESH_HLO).ops}
+  # ((operand), result): the 256-byte result, not operand and result added up.
+  assert sent["ars"].group_size == 8 and sent["ars"].buffer_bytes == 256
+  assert sent["ars"].bytes == Fraction(2 * 7 * 256, 8)
+  # One permute carries indices and values: both are sent, once.
+  assert sent["cps"].buffer_bytes == 64 + 64 and sent["cps"].bytes == 128
+  # Groups along 'ici' of (dcn 2, ici 4): four devices gather 64 bytes each.
+  assert sent["ags"].group_size == 4 and sent["ags"].buffer_bytes == 256
+  assert sent["rs"].group_size == 2 and sent["rs"].buffer_bytes == 2 * 128
+  # 'x':(2)2: the second factor of x's 2 x 2 x 2, pairs of devices 2 apart.
+  assert sent["ar"].group_size == 2
+
+
+@pytest.mark.parametrize("groups, mesh_shape, axes", [
+    ("mesh['dcn'=2,'ici'=4] {'ici'}", {"dcn": 2, "ici": 4}, ("ici",)),
+    ("mesh['dcn'=2,'ici'=4] {'dcn'}", {"dcn": 2, "ici": 4}, ("dcn",)),
+    ("mesh['dcn'=2,'ici'=4] {'ici','dcn'}", {"dcn": 2, "ici": 4}, ("dcn", "ici")),
+])
+def test_mesh_axis_groups_name_their_axes(groups, mesh_shape, axes):
+  text = _MESH_HLO.replace("mesh['dcn'=2,'ici'=4] {'ici'}", groups)
+  sent = {op.name: op for op in wire.collective_bytes(text, mesh_shape=mesh_shape).ops}
+  assert sent["ags"].axes == axes
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ("mesh['data'=8] {'data'}", [list(range(8))]),
+    ("mesh['dcn'=2,'ici'=4] {'ici'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['dcn'=2,'ici'=4] {'dcn'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    # Sub-axes: (pre)size, pre the sizes of the parts before it (major first).
+    ("mesh['x'=4] {'x':(1)2}", [[0, 2], [1, 3]]),
+    ("mesh['x'=4] {'x':(2)2}", [[0, 1], [2, 3]]),
+    # Two sub-axes of one axis, in the listed order: the later listed varies fastest.
+    ("mesh['x'=8] {'x':(4)2,'x':(1)2}", [[0, 4, 1, 5], [2, 6, 3, 7]]),
+    # A device order other than 0, 1, 2, ...: groups of the devices at those places.
+    ("mesh['a'=2,'b'=2], device_ids=([[0,2],[1,3]]) {'b'}", [[0, 2], [1, 3]]),
+    ("mesh['a'=2,'b'=2] {}", [[0], [1], [2], [3]]),
+])
+def test_mesh_axis_groups_follow_xla_s_rule(groups, expected):
+  assert wire_src._groups(f"all-reduce(%x), replica_groups={groups}, to_apply=%add") == expected
 
 
 def test_compiled_collectives_use_the_ring_formulas():

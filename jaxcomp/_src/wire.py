@@ -293,8 +293,37 @@ def _array_bytes(type_text: str) -> list[int]:
   return sizes
 
 
+def _tuple_elements(type_text: str) -> list[str]:
+  """The elements of a tuple type at its top level; an array type is its own one element."""
+  text = type_text.strip()
+  if not text.startswith("("):
+    return [text]
+  elements, depth, begin = [], 0, 1
+  for i, char in enumerate(text):
+    if char in "([{":
+      depth += 1
+    elif char in ")]}":
+      depth -= 1
+    if (char == "," and depth == 1) or (char == ")" and depth == 0):
+      elements.append(text[begin:i].strip())
+      begin = i + 1
+  return [e for e in elements if e]
+
+
 def _buffer_bytes(kind: str, type_text: str, is_start: bool, group: int) -> int:
-  """Bytes of the buffer the ring formula is stated on (HLO prints results only)."""
+  """Bytes of the buffer the ring formula is stated on (HLO prints results only).
+
+  An asynchronous start's type is ``(operands, results, contexts...)``. Newer
+  XLA prints the operands as a tuple of their own, also for one operand
+  (``((f32[n]), f32[n])``, ``((s32[k], f32[k]), (s32[k], f32[k]))``): then
+  the results are the second element. Older XLA prints one operand bare, and
+  an all-reduce-start's type is its results.
+  """
+  if is_start:
+    elements = _tuple_elements(type_text)
+    if len(elements) >= 2 and elements[0].startswith("("):
+      result = sum(_array_bytes(elements[1]))
+      return group * result if kind == Kind.REDUCE_SCATTER else result
   sizes = _array_bytes(type_text)
   if not is_start or kind == Kind.ALL_REDUCE:
     result = sum(sizes)
@@ -371,6 +400,9 @@ def _groups(line: str) -> Optional[list[list[int]]]:
     groups = [[int(d) for d in group.split(",") if d]
               for group in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
     return groups or None  # replica_groups={}: every device
+  mesh = _MESH_GROUPS.search(line)
+  if mesh:
+    return _mesh_axes_groups(*mesh.groups())
   iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
   if iota:
     shape = [int(d) for d in iota.group(1).split(",")]
@@ -380,6 +412,55 @@ def _groups(line: str) -> Optional[list[list[int]]]:
       ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
     return ids.reshape(shape).tolist()
   return None
+
+
+# Newer XLA states a collective's groups by mesh axes:
+# ``replica_groups=mesh['dcn'=2,'ici'=4] {'ici'}``, a sub-axis as ``'x':(pre)size``
+# (``pre``: the product of the sizes of the parts of ``x`` before it), the device
+# order as ``, device_ids=(...)`` after the mesh when it is not 0, 1, 2, ...
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?\s*=\s*(\d+)")
+_GROUP_AXIS = re.compile(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_axes_groups(mesh: str, device_ids: Optional[str], axes: str) -> list[list[int]]:
+  """The device groups of a ``replica_groups=mesh[...] {...}`` list (XLA's rule).
+
+  Each mesh axis that a sub-axis of the list names is cut into parts (before
+  the sub-axis, the sub-axis, after it); the groups are the devices that
+  differ along the listed (sub-)axes only, in the listed order.
+  """
+  names, sizes = zip(*[(n, int(s)) for n, s in _MESH_AXIS.findall(mesh)])
+  count = math.prod(sizes)
+  ids = np.array([int(d) for d in re.findall(r"\d+", device_ids)]) if device_ids else np.arange(count)
+  listed = [(n, int(pre) if pre else None, int(size) if size else None)
+            for n, pre, size in _GROUP_AXIS.findall(axes)]
+  # Each mesh axis as its parts: [(size, listed position or None)].
+  parts: list[list[tuple[int, Optional[int]]]] = []
+  for name, full in zip(names, sizes):
+    mine = sorted((pre, size, position) for position, (n, pre, size) in enumerate(listed)
+                  if n == name and pre is not None)
+    whole = [position for position, (n, pre, _) in enumerate(listed) if n == name and pre is None]
+    if whole:
+      parts.append([(full, whole[0])])
+      continue
+    axis_parts, done = [], 1
+    for pre, size, position in mine:
+      if pre != done:
+        axis_parts.append((pre // done, None))
+      axis_parts.append((size, position))
+      done = pre * size
+    if done != full:
+      axis_parts.append((full // done, None))
+    parts.append(axis_parts)
+  flat = [part for axis_parts in parts for part in axis_parts]
+  kept = [i for i, (_, position) in enumerate(flat) if position is None]
+  grouped = sorted((position, i) for i, (_, position) in enumerate(flat) if position is not None)
+  order = kept + [i for _, i in grouped]
+  per_group = math.prod(flat[i][0] for _, i in grouped)
+  arranged = ids.reshape([size for size, _ in flat]).transpose(order)
+  return arranged.reshape(-1, per_group).tolist()
 
 
 def _axes_of(groups: Optional[list[list[int]]], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
