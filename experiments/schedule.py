@@ -24,6 +24,8 @@ scheduled order (calls, such as XLA:GPU's command buffers, read in place):
   start and its done: work the exchange overlaps (XLA:GPU's latency-hiding
   scheduler; XLA:CPU runs collectives synchronously, its thunk executor
   overlapping them by their dependencies, which the text does not show).
+* **MB/dev**: the bytes one device sends per step, read off the program and
+  by the formula (:mod:`jaxcomp.wire`).
 
 Nothing runs. With ``--mock-gpus`` the process takes one GPU and mocks a
 topology of ``P`` hosts of one GPU each (JAX's ``jax_mock_gpu_topology``), so
@@ -178,13 +180,18 @@ def abstract_inputs(chain: optax.GradientTransformation, shapes, mesh, batch: in
 
 
 class Row(NamedTuple):
-  """One program of a row: its form (``None``: the only one), buckets, compile s, schedule."""
+  """One program of a row: its form (``None``: the only one), buckets, compile s, schedule,
+  and the MB one device sends: read off the program (``wire.collective_bytes``) and
+  the formula's (``wire.expected_bytes``; a method with forms: its mean over them;
+  ``None`` for ``pmean``, which is no compressor)."""
 
   row: str
   form: Optional[int]
   buckets: int
   compile_s: float
   schedule: Schedule
+  read_mb: float
+  formula_mb: Optional[float]
 
 
 def programs(row: str, shapes, mesh, batch: int = workload.PIPELINED_BATCH,
@@ -198,6 +205,9 @@ def programs(row: str, shapes, mesh, batch: int = workload.PIPELINED_BATCH,
   spec = protocol.spec(tx) if row != PMEAN else None
   buckets = len(spec.fused.plan(shapes)) if spec is not None else 1
   forms = sorted({spec.form(count) for count in range(8)}) if spec and spec.form else [None]
+  count = training.num_replicas(mesh, AXIS)
+  formula = (float(wire.expected_bytes(tx, shapes, count).total) / 1e6
+             if spec is not None else None)
   found = []
   for form in forms:
     start = time.perf_counter()
@@ -208,18 +218,20 @@ def programs(row: str, shapes, mesh, batch: int = workload.PIPELINED_BATCH,
       suffix = "" if form is None else f"_form{form}"
       with open(os.path.join(save_hlo, f"{row}{suffix}.hlo.txt"), "w") as f:
         f.write(text)
-    found.append(Row(row, form, buckets, seconds, read(text)))
+    sent = float(wire.collective_bytes(text).total) / 1e6
+    found.append(Row(row, form, buckets, seconds, read(text), sent, formula))
   return found
 
 
 COLUMNS = ("row", "form", "buckets", "exchanges", "async", "backward gemms",
-           "after first exchange", "in flight", "compile s")
+           "after first exchange", "in flight", "MB/dev read", "MB/dev formula", "compile s")
 
 
 def markdown_row(r: Row) -> list[str]:
   s = r.schedule
   return [r.row, "" if r.form is None else str(r.form), str(r.buckets), str(s.exchanges),
           str(s.asynchronous), str(s.gemms), str(s.after_first), str(s.in_flight),
+          f"{r.read_mb:.3f}", "" if r.formula_mb is None else f"{r.formula_mb:.3f}",
           f"{r.compile_s:.1f}"]
 
 
@@ -240,8 +252,10 @@ def report(rows: Sequence[Row], argv: Sequence[str], devices: int, mocked: bool)
       " asynchronous start and done once), backward gemms the matrix kernels of autodiff's"
       " backward pass, *after first exchange* those scheduled after the first exchange is"
       " issued (0: it waits for every gradient), *in flight* those between an asynchronous"
-      " exchange's start and its done. `pmean` is a `lax.pmean` per leaf, placed and combined"
-      " by XLA; a form is one of ACP-SGD's two programs.", "",
+      " exchange's start and its done. MB/dev: the bytes one device sends per step, read off"
+      " the program (`wire.collective_bytes`) and by the formula (`wire.expected_bytes`; for"
+      " ACP-SGD the mean over its two forms). `pmean` is a `lax.pmean` per leaf, placed and"
+      " combined by XLA; a form is one of ACP-SGD's two programs.", "",
       "| " + " | ".join(COLUMNS) + " |",
       "|" + "|".join("---" for _ in COLUMNS) + "|"]
   lines += ["| " + " | ".join(markdown_row(r)) + " |" for r in rows]

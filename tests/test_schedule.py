@@ -79,6 +79,8 @@ def test_the_compiled_step_on_cpu(row, buckets):
   if buckets == 1:  # the one exchange needs every gradient
     assert found.schedule.after_first == 0
   assert found.schedule.in_flight == 0  # XLA:CPU's collectives are synchronous
+  # Dense's ring all-reduce of the 8 MiB gradient, 2 (P - 1) / P of it.
+  assert found.read_mb == found.formula_mb == 2 * 7 / 8 * 4 * 4 * 512 * 1024 / 1e6
 
 
 def test_every_form_of_acpsgd_is_a_program():
@@ -86,6 +88,9 @@ def test_every_form_of_acpsgd_is_a_program():
   found = schedule.programs("acpsgd_buckets", SHAPES, mesh)
   assert [r.form for r in found] == [0, 1]
   assert all(r.schedule.exchanges == r.buckets == 2 for r in found)
+  # The P and Q steps send different bytes; the formula is their mean.
+  assert found[0].read_mb != found[1].read_mb
+  assert (found[0].read_mb + found[1].read_mb) / 2 == pytest.approx(found[0].formula_mb, rel=1e-12)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -101,9 +106,9 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
 
 
 def test_the_report_is_a_table_of_every_program():
-  rows = [schedule.Row("acpsgd_buckets", form, 5, 1.25, schedule.Schedule(5, 5, 54, 52, 52))
-          for form in (0, 1)]
+  rows = [schedule.Row("acpsgd_buckets", form, 5, 1.25, schedule.Schedule(5, 5, 54, 52, 52),
+                       1.9169, 1.5337) for form in (0, 1)]
   text = schedule.report(rows, ["--mock-gpus"], 8, mocked=False)
   assert "`python -m experiments.schedule --mock-gpus`" in text
-  assert "| acpsgd_buckets | 1 | 5 | 5 | 5 | 54 | 52 | 52 | 1.2 |" in text
+  assert "| acpsgd_buckets | 1 | 5 | 5 | 5 | 54 | 52 | 52 | 1.917 | 1.534 | 1.2 |" in text
   assert text.count("| acpsgd_buckets |") == 2
