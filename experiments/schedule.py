@@ -205,8 +205,8 @@ def programs(row: str, shapes, mesh, batch: int = workload.PIPELINED_BATCH,
   spec = protocol.spec(tx) if row != PMEAN else None
   buckets = len(spec.fused.plan(shapes)) if spec is not None else 1
   forms = sorted({spec.form(count) for count in range(8)}) if spec and spec.form else [None]
-  count = training.num_replicas(mesh, AXIS)
-  formula = (float(wire.expected_bytes(tx, shapes, count).total) / 1e6
+  devices = training.num_replicas(mesh, AXIS)
+  formula = (float(wire.expected_bytes(tx, shapes, devices).total) / 1e6
              if spec is not None else None)
   found = []
   for form in forms:
@@ -235,7 +235,8 @@ def markdown_row(r: Row) -> list[str]:
           f"{r.compile_s:.1f}"]
 
 
-def report(rows: Sequence[Row], argv: Sequence[str], devices: int, mocked: bool) -> str:
+def report(rows: Sequence[Row], argv: Sequence[str], devices: int, mocked: bool,
+           model: str = "resnet50") -> str:
   device = jax.devices()[0]
   flags = os.environ.get("XLA_FLAGS", "")
   flags = f"XLA_FLAGS `{flags}`" if flags else "XLA_FLAGS unset"
@@ -247,7 +248,8 @@ def report(rows: Sequence[Row], argv: Sequence[str], devices: int, mocked: bool)
       f"Date {datetime.date.today().isoformat()}; jax {jax.__version__}, backend"
       f" {jax.default_backend()}, {where}; {flags}."
       " The program of `training.make_step` (forward,"
-      " backward, exchange, SGD) of `workload.chain_loss` over ResNet-50's leaves, compiled,"
+      " backward, exchange, SGD) of `workload.chain_loss` over the leaves of"
+      f" {model}, compiled,"
       " read in its scheduled order (`experiments.schedule`): exchanges are its collectives (an"
       " asynchronous start and done once), backward gemms the matrix kernels of autodiff's"
       " backward pass, *after first exchange* those scheduled after the first exchange is"
@@ -306,7 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for r in programs(row, shapes, mesh, save_hlo=args.save_hlo):
       print("  ".join(markdown_row(r)), flush=True)
       found.append(r)
-  text = report(found, argv, args.devices, args.mock_gpus)
+  text = report(found, argv, args.devices, args.mock_gpus, args.model)
   if args.out:
     with open(args.out, "w") as f:
       f.write(text)

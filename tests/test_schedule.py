@@ -108,7 +108,8 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
 def test_the_report_is_a_table_of_every_program():
   rows = [schedule.Row("acpsgd_buckets", form, 5, 1.25, schedule.Schedule(5, 5, 54, 52, 52),
                        1.9169, 1.5337) for form in (0, 1)]
-  text = schedule.report(rows, ["--mock-gpus"], 8, mocked=False)
+  text = schedule.report(rows, ["--mock-gpus"], 8, mocked=False, model="transformer")
+  assert "over the leaves of transformer" in text
   assert "`python -m experiments.schedule --mock-gpus`" in text
   assert "| acpsgd_buckets | 1 | 5 | 5 | 5 | 54 | 52 | 52 | 1.917 | 1.534 | 1.2 |" in text
   assert text.count("| acpsgd_buckets |") == 2
