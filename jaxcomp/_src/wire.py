@@ -319,13 +319,11 @@ def _buffer_bytes(kind: str, type_text: str, is_start: bool, group: int) -> int:
   the results are the second element. Older XLA prints one operand bare, and
   an all-reduce-start's type is its results.
   """
-  if is_start:
-    elements = _tuple_elements(type_text)
-    if len(elements) >= 2 and elements[0].startswith("("):
-      result = sum(_array_bytes(elements[1]))
-      return group * result if kind == Kind.REDUCE_SCATTER else result
+  elements = _tuple_elements(type_text) if is_start else []
   sizes = _array_bytes(type_text)
-  if not is_start or kind == Kind.ALL_REDUCE:
+  if len(elements) >= 2 and elements[0].startswith("("):  # (operands, results, ...)
+    result = sum(_array_bytes(elements[1]))
+  elif not is_start or kind == Kind.ALL_REDUCE:
     result = sum(sizes)
   elif kind == Kind.COLLECTIVE_PERMUTE:  # (operand, result, contexts...)
     result = sizes[1]
