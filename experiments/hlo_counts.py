@@ -111,9 +111,17 @@ def computations(text: str) -> dict[str, list[_Instruction]]:
   return computations
 
 
-def _called(instruction: _Instruction, key: str) -> list[str]:
+def called(instruction: _Instruction, key: str) -> list[str]:
+  """The computations an instruction names after ``key=`` (``calls``, ``to_apply``,
+  ``body``, ``branch_computations``...)."""
   found = re.findall(key + r"=\{?(%?[\w.\-, %]+)\}?", instruction.attributes)
   return [name.strip().lstrip("%") for group in found for name in group.split(",") if name.strip()]
+
+
+def source(instruction: _Instruction) -> str:
+  """The JAX operation an instruction comes from (its ``op_name``), or ``""``."""
+  found = re.search(r'op_name="([^"]*)"', instruction.attributes)
+  return found.group(1) if found else ""
 
 
 def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes: dict,
@@ -240,19 +248,19 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
     if instruction.op == "conditional":
       branches = [_weights(b, computations, n, stack)
                   for key in ("branch_computations", "true_computation", "false_computation")
-                  for b in _called(instruction, key)]
+                  for b in called(instruction, key)]
       working = [ws for ws in branches if ws] or [[]]
       weights.extend(min(working, key=lambda ws: sum(w[0] for w in ws)))
       continue
     if instruction.op in _CONTROL:
       for key in ("condition", "body", "to_apply"):
-        for callee in _called(instruction, key):
+        for callee in called(instruction, key):
           weights.extend(_weights(callee, computations, n, stack))
       continue
     if instruction.op in _FREE:
       continue
     if instruction.op == "fusion":
-      (callee,) = _called(instruction, "calls")[:1] or ("",)
+      (callee,) = called(instruction, "calls")[:1] or ("",)
       moved = _fusion_traffic(instruction, computations.get(callee, []), sizes, shapes)
     elif instruction.op in _IN_PLACE:
       # Written over its first operand (copy insertion adds a copy where it
@@ -261,8 +269,7 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
       moved = sizes.get(update, 0) + sum(sizes.get(o, 0) for o in instruction.operands[1:])
     else:
       moved = _bytes(instruction.shape) + sum(sizes.get(o, 0) for o in instruction.operands)
-    source = re.search(r'op_name="([^"]*)"', instruction.attributes)
-    weights.append((moved / (4 * n), instruction.op, source.group(1) if source else ""))
+    weights.append((moved / (4 * n), instruction.op, source(instruction)))
   return weights
 
 

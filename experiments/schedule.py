@@ -73,7 +73,6 @@ _GEMMS = frozenset({"dot", "convolution"})
 # Library matrix products: cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``),
 # oneDNN (``__onednn$matmul``), cuDNN convolutions.
 _LIBRARY_GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)[^"]*"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 class Schedule(NamedTuple):
@@ -107,9 +106,8 @@ def _is_backward_gemm(instruction, computations: dict, seen: frozenset = frozens
   gemm = (instruction.op in _GEMMS
           or (instruction.op == "custom-call" and _LIBRARY_GEMM.search(instruction.attributes)))
   if gemm:
-    source = _OP_NAME.search(instruction.attributes)
-    return bool(source) and "transpose(" in source.group(1)
-  for callee in re.findall(r"calls=%?([\w.\-]+)", instruction.attributes):
+    return "transpose(" in hlo_counts.source(instruction)
+  for callee in hlo_counts.called(instruction, "calls"):
     if callee not in seen and any(_is_backward_gemm(inner, computations, seen | {callee})
                                   for inner in computations.get(callee, [])):
       return True
@@ -120,7 +118,7 @@ def _in_order(name: str, computations: dict, seen: tuple = ()) -> list:
   """The instructions of computation ``name`` in order, a ``call``'s callee read in its place."""
   found = []
   for instruction in computations.get(name, []):
-    callees = re.findall(r"to_apply=%?([\w.\-]+)", instruction.attributes)
+    callees = hlo_counts.called(instruction, "to_apply")
     if instruction.op == "call" and callees and callees[0] not in seen:
       found.extend(_in_order(callees[0], computations, seen + (name,)))
     else:
