@@ -34,10 +34,13 @@ def _assert_same_as_lax_top_k(x, capacity, values, indices):
 
 
 def test_backend_defaults_are_the_documented_ones():
-  """On CPU exact_topk from 4M entries on; never on GPU or TPU."""
+  """On CPU exact_topk from 4M entries on and rows ranked by blocks of 32; neither on
+  GPU or TPU."""
   assert selection.tuning_for("cpu").exact_min_size == 1 << 22
+  assert selection.tuning_for("cpu").row_block == 32
   for backend in ("gpu", "cuda", "rocm", "tpu"):
     assert selection.tuning_for(backend).exact_min_size is None
+    assert selection.tuning_for(backend).row_block is None
   assert selection.tuning_for() == selection.tuning_for(jax.default_backend())
   assert selection.tuning_for("an-unknown-backend") == selection.Tuning()
 
@@ -345,16 +348,41 @@ def test_a_non_finite_entry_is_always_selected_in_its_row(bad, count, seed, k):
 
 
 @hypothesis.settings(max_examples=12, deadline=None)
-@hypothesis.given(seed=st.integers(0, 2**16), bad=st.sampled_from([np.nan, np.inf, -np.inf]))
-def test_one_per_row_is_the_first_entry_of_largest_magnitude(seed, bad):
-  """k = 1 (a reduction, not ``top_k``) keeps ``top_k``'s order: the lowest position
-  among ties, NaN ranked as inf. Entries in {-2, ..., 2} tie in every row."""
+@hypothesis.given(seed=st.integers(0, 2**16), bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
+                  k=st.sampled_from([1, 2, 3, 5]), width=st.sampled_from([64, 96, 256, 1024]),
+                  row_block=st.sampled_from([32, 8, 16, None]))
+def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block):
+  """Each route of ``topk_per_row`` (k = 1's reduction, the blocks of ``row_block``
+  entries where a row holds at least ``4 k`` of them, ``lax.top_k``) keeps
+  ``top_k``'s order: largest first, the lowest position among ties, NaN ranked
+  as inf. Entries in {-2, ..., 2} tie in every row; -0 ties with 0, NaN with inf."""
   rng = np.random.default_rng(seed)
-  x = rng.integers(-2, 3, size=(40, 16)).astype(np.float32)
-  x[rng.integers(0, 40, 6), rng.integers(0, 16, 6)] = bad
-  values, positions = jax.jit(lambda x: selection.topk_per_row(x, 1))(jnp.asarray(x))
+  x = rng.integers(-2, 3, size=(40, width)).astype(np.float32)
+  x[rng.integers(0, 40, 12), rng.integers(0, width, 12)] = bad
+  x[rng.integers(0, 40, 12), rng.integers(0, width, 12)] = -np.inf  # ties with NaN
+  x[0] = -0.0
+  x[1] = np.float32(1e-40) * rng.integers(-2, 3, size=width)  # subnormals
+  tuning = selection.Tuning(row_block=row_block)
+  values, positions = jax.jit(lambda x: selection.topk_per_row(x, k, tuning))(jnp.asarray(x))
   magnitude = np.abs(x)
   magnitude[np.isnan(magnitude)] = np.inf
-  want = np.argmax(magnitude, axis=1)[:, None]
+  want = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
   np.testing.assert_array_equal(np.asarray(positions), want)
-  np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, axis=1))
+  harness.assert_bitwise_equal(np.asarray(values), np.take_along_axis(x, want, axis=1))
+
+
+@pytest.mark.parametrize("k, width, row_block, top_k_widths", [
+    (5, 4096, 32, [128, 160]),  # by blocks: the maxima of 128 blocks, then 5 blocks' entries
+    (5, 4096, None, [4096]),    # a GPU's or TPU's route
+    (40, 4096, 32, [4096]),     # 40 blocks of 128 would be more than a quarter of the row
+    (5, 4100, 32, [4100]),      # blocks do not tile the row
+    (1, 4096, 32, []),          # one reduction
+])
+def test_per_row_route_follows_the_tuning(k, width, row_block, top_k_widths):
+  """The route taken, read off the program: the widths of its ``top_k``s."""
+  tuning = selection.Tuning(row_block=row_block)
+  jaxpr = jax.make_jaxpr(lambda x: selection.topk_per_row(x, k, tuning))(
+      jnp.zeros((6, width), jnp.float32))
+  widths = [eqn.invars[0].aval.shape[-1] for eqn in jaxpr.jaxpr.eqns
+            if eqn.primitive.name == "top_k"]
+  assert widths == top_k_widths
