@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -140,7 +141,10 @@ def demo(
     # magnitude, so that any finite gradient has finite coefficients.
     basis = dct_matrix(chunk)
     forward, inverse = basis / np.sqrt(chunk), basis * np.sqrt(chunk)
-    blocks = selection.chunked(corrected, chunk, chunks)
+    # Materialised once, behind a barrier: the padding fused into error
+    # feedback's addition, read by the transform and by the residual (XLA
+    # would otherwise form it twice, once in each layout).
+    blocks = lax.optimization_barrier(selection.chunked(corrected, chunk, chunks))
     coefficients, positions = selection.topk_per_row(blocks @ forward.T, k)
     values = ctx.send(coefficients)
     gathered_values, gathered_positions = collectives.allgather(values, ctx.axes), ctx.allgather(
@@ -148,8 +152,9 @@ def demo(
     mean = inverse_of_sparse(gathered_values, gathered_positions, inverse)[:n]
 
     def kept():
-      sent = inverse_of_sparse(coefficients, positions, inverse)[:n]
-      return error_decay * (corrected - sent)
+      # From the padded chunks, not ``corrected``: no second buffer of it.
+      sent = inverse_of_sparse(coefficients, positions, inverse)
+      return error_decay * (blocks.reshape(-1) - sent)[:n]
 
     return protocol.Output(mean=mean, residual=kept, witness=gathered_values)
 
