@@ -14,6 +14,12 @@ measured in the same run, and recall against the exact ``lax.top_k``:
   it: always the entries of ``lax.top_k`` (what topk and gtopk use on large
   buckets).
 
+A second table times the per-chunk selection of SparseLoCo (chunks of
+``--chunk`` entries, ``ceil(density chunk)`` of each) and of DeMo (chunks of
+64, one of each) against the per-row ``lax.top_k`` (and, for one per row,
+the f32 argmax) that :func:`jaxcomp.selection.topk_per_row` replaces on CPU,
+with whether the positions are the same.
+
 Usage::
 
   python -m experiments.bench_selection --size 25600000 --repeats 5
@@ -55,6 +61,32 @@ def _recall(indices, exact: np.ndarray) -> float:
   return len(np.intersect1d(got, exact)) / len(exact)
 
 
+def _magnitude(rows):
+  """``|rows|`` with NaN ranked as ``inf`` (``topk_per_row``'s order), as f32."""
+  magnitude = jnp.abs(rows)
+  return jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+
+
+def per_chunk_rows(x: jax.Array, chunk: int, k: int, repeats: int) -> list:
+  """``[(route, wall s, cpu s, same positions as the first)]`` for the ``k`` largest
+  magnitudes of each chunk of ``x`` (zero-padded to whole chunks)."""
+  count = -(-x.shape[0] // chunk)
+  rows = jnp.pad(x, (0, count * chunk - x.shape[0])).reshape(count, chunk)
+  if k == 1:
+    baseline = ("f32 argmax", lambda r: jnp.argmax(_magnitude(r), axis=1, keepdims=True))
+  else:
+    baseline = ("lax.top_k per row", lambda r: lax.top_k(_magnitude(r), k)[1])
+  routes = [baseline, ("topk_per_row (this backend)", lambda r: selection.topk_per_row(r, k)[1])]
+  results, first = [], None
+  for name, fn in routes:
+    fn = jax.jit(fn)
+    positions = np.asarray(fn(rows))
+    first = positions if first is None else first
+    wall, cpu = _median_seconds(fn, (rows,), repeats)
+    results.append((name, wall, cpu, bool(np.array_equal(positions, first))))
+  return results
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--size", type=int, default=25_600_000, help="floats in the vector")
@@ -63,6 +95,8 @@ def main(argv=None) -> None:
                       help="share sampled for the threshold")
   parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--chunk", type=int, default=4096,
+                      help="entries per chunk of the per-chunk table (SparseLoCo's)")
   args = parser.parse_args(argv)
 
   n = args.size
@@ -98,6 +132,20 @@ def main(argv=None) -> None:
   for name, wall, cpu, recall in results:
     print(f"| {name:<28} | {wall * 1e3:>8.2f} | {base_wall / wall:>7.1f}x |"
           f" {cpu * 1e3:>8.2f} | {base_cpu / cpu:>7.1f}x | {recall:>6.4f} |")
+
+  print()
+  print(f"per chunk, median of {args.repeats}")
+  print(f"| {'chunks x entries, k':<22} | {'route':<28} | {'wall ms':>8} | {'speed-up':>8} |"
+        f" {'cpu ms':>8} | {'speed-up':>8} | same positions |")
+  print(f"|{'-' * 24}|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 16}|")
+  for chunk, k in ((args.chunk, max(1, math.ceil(args.density * args.chunk))), (64, 1)):
+    chunk = min(chunk, n)
+    shape = f"{-(-n // chunk)} x {chunk}, k = {k}"
+    chunk_rows = per_chunk_rows(x, chunk, k, args.repeats)
+    base_wall, base_cpu = chunk_rows[0][1], chunk_rows[0][2]
+    for name, wall, cpu, same in chunk_rows:
+      print(f"| {shape:<22} | {name:<28} | {wall * 1e3:>8.2f} | {base_wall / wall:>7.1f}x |"
+            f" {cpu * 1e3:>8.2f} | {base_cpu / cpu:>7.1f}x | {'yes' if same else 'NO':<14} |")
 
 
 if __name__ == "__main__":

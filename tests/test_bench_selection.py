@@ -1,0 +1,38 @@
+"""experiments.bench_selection on a small vector (no timing thresholds)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import bench_selection
+
+
+def _vector(n, seed):
+  """Entries in {-2, ..., 2} (ties in every chunk) with NaN and infinities."""
+  rng = np.random.default_rng(seed)
+  x = rng.integers(-2, 3, size=n).astype(np.float32)
+  x[rng.integers(0, n, 20)] = np.nan
+  x[rng.integers(0, n, 20)] = -np.inf
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("chunk, k", [(1024, 3), (256, 1), (1000, 2)])  # blocks, argmax, top_k
+def test_per_chunk_routes_report_the_positions_of_the_baseline(chunk, k):
+  rows = bench_selection.per_chunk_rows(_vector(10_000, chunk + k), chunk, k, repeats=1)
+  assert [name for name, *_ in rows][1] == "topk_per_row (this backend)"
+  assert rows[0][0] == ("f32 argmax" if k == 1 else "lax.top_k per row")
+  assert all(same for *_, same in rows)
+  assert all(wall > 0 and cpu >= 0 for _, wall, cpu, _ in rows)
+
+
+def test_main_prints_both_tables(capsys):
+  bench_selection.main(["--size", "20000", "--density", "0.001", "--repeats", "1",
+                        "--chunk", "4096"])
+  out = capsys.readouterr().out
+  assert "| lax.top_k " in out and "| exact_topk " in out
+  lines = [line for line in out.splitlines() if "topk_per_row (this backend)" in line]
+  assert len(lines) == 2  # SparseLoCo's chunks, then DeMo's
+  assert "5 x 4096, k = 5" in lines[0] and "313 x 64, k = 1" in lines[1]
+  assert all(line.rstrip(" |").endswith("yes") for line in lines)
+  assert jax.devices()[0].platform in out
