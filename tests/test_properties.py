@@ -89,6 +89,29 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   assert int(jnp.sum(sent != 0)) <= k
 
 
+@hypothesis.given(n=st.integers(1, 200), seed=st.integers(0, 2**16),
+                  sent_from=st.one_of(st.none(), st.integers(0, 210)),
+                  empty=st.integers(0, 3))
+def test_the_packed_sent_mask_zeroes_exactly_the_sent_positions(n, seed, sent_from, empty):
+  """``zero_sent(sent_mask(n, indices, sent_from), x)``: 0 at each distinct index and at
+  every position from ``sent_from`` on, ``x`` elsewhere (-0 and NaN kept bit for bit);
+  ``EMPTY_INDEX`` slots and positions past ``n`` mark nothing; word edges included."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=n).astype(np.float32)
+  x[rng.integers(0, n, 3)] = [-0.0, np.nan, np.inf]
+  indices = rng.permutation(n + 40)[:rng.integers(0, n + 1)].astype(np.int32)  # some >= n
+  indices = np.concatenate([indices, np.full(empty, collectives.EMPTY_INDEX, np.int32)])
+  rng.shuffle(indices)
+  sent = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))(jnp.asarray(indices))
+  assert sent.shape == (-(-n // 32),) and sent.dtype == jnp.uint32
+  got = jax.jit(error_feedback.zero_sent)(sent, jnp.asarray(x))
+  want = x.copy()
+  want[indices[indices < n]] = 0.0
+  if sent_from is not None:
+    want[sent_from:] = 0.0
+  harness.assert_bitwise_equal(got, want)
+
+
 @hypothesis.given(tree=pytrees(dtypes=[np.float32]), keep_seed=st.integers(0, 2**16),
                   keep=st.sampled_from([None, True, False]))
 def test_error_feedback_absorbs_per_leaf_and_keeps_none_leaves(tree, keep_seed, keep):

@@ -247,7 +247,8 @@ def dgc(
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
     means, witness = [], []
-    sent = jnp.zeros((0,), jnp.bool_)
+    # What was sent exactly, packed: the dense leaves all, from sparse.size on.
+    sent = error_feedback.sent_mask(ctx.bucket.size, jnp.zeros((0,), jnp.int32), sparse.size)
     dense_momentum = jnp.zeros((0,), jnp.float32)
     if sparse.size:
 
@@ -263,12 +264,12 @@ def dgc(
         # the k-sized test stands in for one over the n-sized mean.
         check = jnp.sum(all_values - all_values)
         return (collectives.densify(all_values, all_indices, sparse.size),
-                error_feedback.sent_mask(sparse.size, indices), check)
+                error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size), check)
 
       ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
-        # The stages' k differ, so a branch returns the n-sized mean and an
-        # n-byte mask of what was sent, not its indices.
+        # The stages' k differ, so a branch returns the n-sized mean and the
+        # packed mask of what was sent, not its indices.
         sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
       else:
         sparse_mean, sent, check = exchange(ks[-1])
@@ -297,8 +298,7 @@ def dgc(
     # same pass, so the residual is one elementwise write over the bucket.
     return protocol.Output(
         mean=fusion.concat(means),
-        residual=lambda: error_feedback.zero_sent(
-            jnp.pad(sent, (0, dense.size), constant_values=True), corrected),
+        residual=lambda: error_feedback.zero_sent(sent, corrected),
         witness=witness,
         state={"momentum": momentum})
 

@@ -192,7 +192,8 @@ class Zeroed(NamedTuple):
 
   Attributes:
     indices: int32, any shape: flat positions in the bucket of the entries
-      this device sent exactly (``EMPTY_INDEX`` slots are ignored).
+      this device sent exactly, each at most once (``EMPTY_INDEX`` slots are
+      ignored).
   """
 
   indices: jax.Array
