@@ -190,7 +190,7 @@ def test_every_method_has_a_measured_compute_figure():
     assert figure.command.startswith("python -m experiments.bench_compression")
     assert figure.date and figure.note
   n = shapes.num_params(shapes.resnet50())
-  assert compute.compression_s("dgc", n) == pytest.approx(1.90e-9 * n)
+  assert compute.compression_s("dgc", n) == pytest.approx(0.85e-9 * n)
   with pytest.raises(ValueError, match="`name` must be one of"):
     compute.compression_s("zip", n)
 
