@@ -371,6 +371,15 @@ def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block):
   harness.assert_bitwise_equal(np.asarray(values), np.take_along_axis(x, want, axis=1))
 
 
+@pytest.mark.parametrize("k, row_block, message", [
+    (0, 32, "`k` must be an int in \\[1, 64\\]"), (65, 32, "`k` must be an int in"),
+    (2.0, 32, "`k` must be an int in"), (2, 0, "`tuning.row_block` must be None or an int >= 1"),
+])
+def test_per_row_arguments_are_refused_by_name(k, row_block, message):
+  with pytest.raises(ValueError, match=message):
+    selection.topk_per_row(jnp.zeros((3, 64)), k, selection.Tuning(row_block=row_block))
+
+
 @pytest.mark.parametrize("k, width, row_block, top_k_widths", [
     (5, 4096, 32, [128, 160]),  # by blocks: the maxima of 128 blocks, then 5 blocks' entries
     (5, 4096, None, [4096]),    # a GPU's or TPU's route

@@ -502,9 +502,13 @@ def topk_per_row(rows: jax.Array, k: int,
   backend tracing the call.
   """
   tuning = tuning_for() if tuning is None else tuning
-  key = _magnitude_key(rows)
   width = rows.shape[1]
+  if not (isinstance(k, int) and 1 <= k <= width):
+    raise ValueError(f"`k` must be an int in [1, {width}] (the row length), got {k!r}")
   block = tuning.row_block
+  if block is not None and not (isinstance(block, int) and block >= 1):
+    raise ValueError(f"`tuning.row_block` must be None or an int >= 1, got {block!r}")
+  key = _magnitude_key(rows)
   if k == 1:
     positions = jnp.argmax(key, axis=1, keepdims=True).astype(jnp.int32)
   elif block is not None and width % block == 0 and width >= 4 * k * block:
