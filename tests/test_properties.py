@@ -93,13 +93,16 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
                   sent_from=st.one_of(st.none(), st.integers(0, 210)),
                   empty=st.integers(0, 3))
 def test_the_packed_sent_mask_zeroes_exactly_the_sent_positions(n, seed, sent_from, empty):
-  """``zero_sent(sent_mask(n, indices, sent_from), x)``: 0 at each distinct index and at
-  every position from ``sent_from`` on, ``x`` elsewhere (-0 and NaN kept bit for bit);
-  ``EMPTY_INDEX`` slots and positions past ``n`` mark nothing; word edges included."""
+  """``zero_sent(sent_mask(n, indices, sent_from), x)``: 0 at each distinct index (below
+  ``sent_from``) and at every position from ``sent_from`` on, ``x`` elsewhere (-0 and NaN
+  kept bit for bit); ``EMPTY_INDEX`` slots and positions past ``n`` mark nothing; word
+  edges included."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=n).astype(np.float32)
   x[rng.integers(0, n, 3)] = [-0.0, np.nan, np.inf]
-  indices = rng.permutation(n + 40)[:rng.integers(0, n + 1)].astype(np.int32)  # some >= n
+  below = n if sent_from is None else min(n, sent_from)
+  indices = rng.permutation(n + 40)[:rng.integers(0, n + 1)].astype(np.int32)
+  indices = indices[(indices < below) | (indices >= n)]  # the ones >= n mark nothing
   indices = np.concatenate([indices, np.full(empty, collectives.EMPTY_INDEX, np.int32)])
   rng.shuffle(indices)
   sent = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))(jnp.asarray(indices))

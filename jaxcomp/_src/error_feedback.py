@@ -42,8 +42,9 @@ _WORD = 32
 
 def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> jax.Array:
   """``uint32[ceil(n / 32)]``: bit ``i % 32`` of word ``i // 32`` set for each position
-  ``i`` of ``indices`` (any shape, its positions in ``[0, n)`` distinct;
-  ``EMPTY_INDEX`` slots dropped), and for every position from ``sent_from`` on.
+  ``i`` of ``indices`` (any shape, its positions in ``[0, n)`` distinct and below
+  ``sent_from``; ``EMPTY_INDEX`` slots dropped), and for every position from
+  ``sent_from`` on.
 
   Packed, not an ``n``-byte ``bool`` mask: on XLA:CPU that mask is new memory
   on every step (its first writes fault its pages in) and read again by each
@@ -52,18 +53,18 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
   them is their union.
   """
   words = -(-n // _WORD)
+  if sent_from is None or sent_from >= n:
+    mask = jnp.zeros(words, jnp.uint32)
+  else:
+    # Word w's bits at positions >= sent_from: all of them, none, or the top of one word.
+    shift = jnp.clip(sent_from - jnp.arange(words, dtype=jnp.int32) * _WORD, 0, _WORD)
+    mask = jnp.where(shift >= _WORD, jnp.uint32(0),
+                     jnp.left_shift(jnp.uint32(0xFFFFFFFF),
+                                    jnp.minimum(shift, _WORD - 1).astype(jnp.uint32)))
   flat = indices.reshape(-1)
   word = jnp.where((flat >= 0) & (flat < n), flat // _WORD, words)
   bit = jnp.left_shift(jnp.uint32(1), (flat % _WORD).astype(jnp.uint32))
-  mask = jnp.zeros(words, jnp.uint32).at[word].add(bit, mode="drop")
-  if sent_from is None or sent_from >= n:
-    return mask
-  # Word w's bits at positions >= sent_from: all of them, none, or the top of one word.
-  first = jnp.arange(words, dtype=jnp.int32) * _WORD
-  shift = jnp.clip(sent_from - first, 0, _WORD).astype(jnp.uint32)
-  tail = jnp.where(shift >= _WORD, jnp.uint32(0),
-                   jnp.left_shift(jnp.uint32(0xFFFFFFFF), jnp.minimum(shift, _WORD - 1)))
-  return mask | tail
+  return mask.at[word].add(bit, mode="drop")
 
 
 def zero_sent(sent: jax.Array, x: jax.Array) -> jax.Array:
