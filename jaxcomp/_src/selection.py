@@ -116,13 +116,30 @@ def select_topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Arr
     ``(values [capacity], int32 indices [capacity])``, largest magnitude first;
     empty slots hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
-  magnitude = jnp.abs(x)
-  _, indices = lax.top_k(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), capacity)
+  _, indices = lax.top_k(_as_magnitude(_magnitude_key(x)), capacity)
   values = x[indices]
   indices = indices.astype(jnp.int32)
   if k is None:
     return values, indices
   return _mask_tail(values, indices, k)
+
+
+# ``inf``'s bits: :func:`_magnitude_key` puts every NaN there.
+_INF_BITS = 0x7F800000
+
+
+def _magnitude_key(x: jax.Array) -> jax.Array:
+  """``|x|`` as int32 bits, NaN brought down to ``inf``: ordered and tied like the
+  magnitudes with NaN ranked as ``inf``. On XLA:CPU a reduction of these
+  integers is vectorised where one of ``where(isnan(|x|), inf, |x|)`` is not
+  (a tenth of the time)."""
+  return jnp.minimum(lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF, _INF_BITS)
+
+
+def _as_magnitude(key: jax.Array) -> jax.Array:
+  """The f32 magnitudes of :func:`_magnitude_key`'s bits (XLA:CPU's ``top_k`` of
+  int32 is a full sort, about 100x slower than of f32)."""
+  return lax.bitcast_convert_type(key, jnp.float32)
 
 
 def _magnitude_bits(x: jax.Array) -> jax.Array:
@@ -516,24 +533,6 @@ def topk_per_row(rows: jax.Array, k: int,
   else:
     _, positions = lax.top_k(_as_magnitude(key), k)
   return jnp.take_along_axis(rows, positions, axis=1), positions
-
-
-# ``inf``'s bits: :func:`_magnitude_key` puts every NaN there.
-_INF_BITS = 0x7F800000
-
-
-def _magnitude_key(x: jax.Array) -> jax.Array:
-  """``|x|`` as int32 bits, NaN brought down to ``inf``: ordered and tied like the
-  magnitudes with NaN ranked as ``inf``. On XLA:CPU a reduction of these
-  integers is vectorised where one of ``where(isnan(|x|), inf, |x|)`` is not
-  (a tenth of the time)."""
-  return jnp.minimum(lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF, _INF_BITS)
-
-
-def _as_magnitude(key: jax.Array) -> jax.Array:
-  """The f32 magnitudes of :func:`_magnitude_key`'s bits (XLA:CPU's ``top_k`` of
-  int32 is a full sort, about 100x slower than of f32)."""
-  return lax.bitcast_convert_type(key, jnp.float32)
 
 
 def _topk_per_row_by_blocks(key: jax.Array, k: int, block: int) -> jax.Array:
