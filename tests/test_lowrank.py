@@ -172,6 +172,39 @@ def test_columns_pad_and_round_trip(factor):
       view.uncolumns(view.columns(flat, factor), factor), flat)
 
 
+@pytest.mark.parametrize("factor", ["p", "q"])
+def test_untransposed_reads_each_groups_transposed_factors(factor):
+  """The groups' ``[count, r, n]`` factors, flat and end to end, give the flat factor
+  buffer: each leaf's factor transposed back, leaves in bucket order."""
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  size = view.p_size if factor == "p" else view.q_size
+  flat = jnp.arange(1, size + 1, dtype=jnp.float32)
+  batches = view.p_factors(flat) if factor == "p" else view.q_factors(flat)
+  transposed = jnp.concatenate([jnp.swapaxes(b, 1, 2).reshape(-1) for b in batches])
+  assert not np.array_equal(transposed, flat)  # the layouts differ, so the test can fail
+  np.testing.assert_array_equal(view.untransposed(transposed, factor), flat)
+
+
+def test_per_group_splits_rows_by_group():
+  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
+  rows = jnp.arange(3 * RANK, dtype=jnp.float32).reshape(3, 1, RANK)
+  pieces = view.per_group(rows)
+  assert [p.shape for p in pieces] == [(2, 1, RANK), (1, 1, RANK)]
+  np.testing.assert_array_equal(jnp.concatenate(pieces), rows)
+
+
+@pytest.mark.parametrize("factor", ["p", "q"])
+@pytest.mark.parametrize("values", [[2.0, 2.0, 8.0], [8.0, 2.0, 2.0], [1.0, 4.0, 1.0]])
+def test_per_entry_gives_every_entry_its_groups_value(factor, values):
+  tree = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(16, 12), (20, 12), (16, 12), (36, 8)]]
+  view = lowrank.MatrixView.of(tree, RANK, 1.0)
+  assert view.groups == ((2, 16, 12), (1, 20, 12), (1, 36, 8))
+  expected = np.concatenate([
+      np.full(g * (rows if factor == "p" else cols) * RANK, value, np.float32)
+      for (g, rows, cols), value in zip(view.groups, values)])
+  np.testing.assert_array_equal(view.per_entry(values, factor), expected)
+
+
 def test_powersgd_matches_numpy_oracle():
   run = _run("powersgd", "1d")
   grads, state0 = _np(run["grads"][0]), run["rows"][0]

@@ -128,6 +128,29 @@ class MatrixView:
     """Per group, :func:`_headroom` of the ``P`` (``factor="p"``) or ``Q`` factors' column length."""
     return [_headroom(rows if factor == "p" else cols) for _, rows, cols in self.groups]
 
+  def per_group(self, x: jax.Array) -> list[jax.Array]:
+    """``x`` (``[leaves, ...]``, a row per compressed leaf in the order of :attr:`lowrank`)
+    as one ``[count, ...]`` piece per group."""
+    return list(jnp.split(x, list(itertools.accumulate(g for g, _, _ in self.groups[:-1]))))
+
+  def per_entry(self, values: list[float], factor: str) -> jax.Array:
+    """One value per group as ``f32[p_size]`` (``factor="p"``) or ``f32[q_size]``, each
+    entry its group's: a factor of the flat buffer, multiplied in one kernel (not one
+    per group).
+
+    Computed from an iota, one comparison per change of value along the buffer
+    (the headrooms follow the groups' sorted shapes, so they change a few
+    times), not read from a constant of the buffer's size.
+    """
+    sizes = [g * (rows if factor == "p" else cols) * self.rank for g, rows, cols in self.groups]
+    position = lax.iota(jnp.int32, sum(sizes))
+    entry = jnp.full(position.shape, values[-1] if values else 0.0, jnp.float32)
+    ends = list(itertools.accumulate(sizes))
+    for i in reversed(range(len(values) - 1)):
+      if values[i] != values[i + 1]:
+        entry = jnp.where(position < ends[i], jnp.float32(values[i]), entry)
+    return entry
+
   def per_leaf(self, values: list[float]) -> np.ndarray:
     """One value per group as ``f32[leaves, 1, 1]``, each leaf its group's: a factor of
     :meth:`columns`."""
@@ -171,18 +194,31 @@ class MatrixView:
     once; a transpose per group would be a kernel per group, and indices
     computed from an iota would test every group's bounds at every entry.
     """
-    index = []
-    leaf = 0
+    return self._gathered(columns.reshape(-1), factor, columns.shape[-1])
+
+  def untransposed(self, flat: jax.Array, factor: str) -> jax.Array:
+    """The flat ``P`` (``factor="p"``) or ``Q`` buffer from every group's factors
+    transposed (``[count, r, rows]`` or ``[count, r, cols]``), flat and end to end.
+
+    The layout a product ``F^T M`` gives; one gather as :meth:`uncolumns`, not
+    a transpose per group.
+    """
+    return self._gathered(flat, factor, None)
+
+  def _gathered(self, flat: jax.Array, factor: str, length: Optional[int]) -> jax.Array:
+    """The flat factor buffer read from ``flat``, which holds each leaf's factor as ``r``
+    columns of ``length`` entries (``None``: the column's own length, no padding),
+    leaf after leaf."""
+    index, offset = [], 0
     for g, rows, cols in self.groups:
       n = rows if factor == "p" else cols
-      k, row, j = np.meshgrid(np.arange(leaf, leaf + g), np.arange(n), np.arange(self.rank),
-                              indexing="ij")
-      index.append(((k * self.rank + j) * columns.shape[-1] + row).reshape(-1))
-      leaf += g
+      stride = length or n
+      k, row, j = np.meshgrid(np.arange(g), np.arange(n), np.arange(self.rank), indexing="ij")
+      index.append((offset + (k * self.rank + j) * stride + row).reshape(-1))
+      offset += g * self.rank * stride
     if not index:
-      return jnp.zeros((0,), columns.dtype)
-    return columns.reshape(-1).at[np.concatenate(index).astype(np.int32)].get(
-        mode="promise_in_bounds")
+      return jnp.zeros((0,), flat.dtype)
+    return flat.at[np.concatenate(index).astype(np.int32)].get(mode="promise_in_bounds")
 
 
 def _split(flat: jax.Array, shapes) -> list[jax.Array]:
@@ -222,12 +258,17 @@ def _unit(x: jax.Array, axis: int) -> jax.Array:
   1e38, or near 1e-30). An all-zero slice stays zero; an Inf or NaN stays.
   """
   top = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)  # 0.0: no leaf compressed
+  return x * _unit_factor(top)
+
+
+def _unit_factor(top: jax.Array) -> jax.Array:
+  """The power of two of :func:`_unit` for slices whose largest ``|entry|`` is ``top``."""
   biased = lax.shift_right_logical(lax.bitcast_convert_type(top, jnp.int32), 23)
   # 2**(127 - e) takes the binade [2**(e - 127), 2**(e - 126)) to [1, 2). The factor
   # stays a normal float (XLA:CPU flushes subnormals to zero), so the top binade
   # (e = 254) lands in [2, 4); e = 255 (Inf, NaN) keeps its value.
   exponent = jnp.clip(254 - biased, 1, 254)
-  return x * lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
+  return lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
 
 
 def _gram_schmidt(columns: jax.Array, scaled: bool) -> jax.Array:
@@ -313,20 +354,21 @@ def _products(p_factors, q_factors) -> list[jax.Array]:
   return [product(p, q) for p, q in zip(p_factors, q_factors)]
 
 
-def _transposed_products(matrices: list[jax.Array], p_factors: list[jax.Array],
-                         headroom: list[jax.Array]) -> list[jax.Array]:
+def _transposed_products(view: MatrixView, matrices: list[jax.Array],
+                         p_factors: list[jax.Array], headroom: list[float]) -> jax.Array:
   """``M^T (P / h)`` of every group (``[count, rows, cols]`` and ``[count, rows, r]``
-  batches and ``P``'s headroom ``h`` in, ``[count, cols, r]`` out).
+  batches and ``P``'s headroom ``h`` in), as the flat ``Q`` buffer.
 
   Formed as ``P^T M`` (``[count, r, cols]``) behind an optimisation barrier,
-  then transposed (``r cols`` entries a leaf, small). Left to lay the product
-  out itself, XLA:CPU gives it the ``[count, cols, r]`` layout and reads ``M``
-  transposed, three times slower (18 ms against 6 for ResNet-50's matrices at
-  rank 4).
+  and the groups' products laid out as ``Q`` by one gather
+  (:meth:`MatrixView.untransposed`; ``r cols`` entries a leaf, small). Left to
+  lay the product out itself, XLA:CPU gives it the ``[count, cols, r]``
+  layout and reads ``M`` transposed, three times slower (18 ms against 6 for
+  ResNet-50's matrices at rank 4).
   """
-  return [jnp.swapaxes(lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p * (1 / h))),
-                       1, 2)
-          for m, p, h in zip(matrices, p_factors, headroom)]
+  return view.untransposed(_join(
+      [lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p * (1 / h)))
+       for m, p, h in zip(matrices, p_factors, headroom)]), "q")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -519,17 +561,21 @@ def powersgd(
     # |M|^2), and P's orthonormalisation reads only the directions of its columns:
     # each column of Q is brought to [1, 4) (norm < 4 h, h >= sqrt(cols)) and divided
     # by 4 h^2, so no entry of M_i Q exceeds the largest of M_i.
-    local_p = [jnp.einsum("gmn,gnr->gmr", m, _unit(q, 1) * (0.25 / h**2))
-               for m, q, h in zip(matrices, view.q_factors(q_start), view.headroom("q"))]
+    # The scales of every leaf's columns come from one reduction over the columns
+    # (of |Q|, so that its gather is fused into the reduction).
+    unit = _unit_factor(jnp.max(view.columns(jnp.abs(q_start), "q"), axis=-1,
+                                initial=0.0))[:, None, :]  # 0.0: no leaf compressed
+    local_p = [jnp.einsum("gmn,gnr->gmr", m, q * u * (0.25 / h**2))
+               for m, q, u, h in zip(matrices, view.q_factors(q_start), view.per_group(unit),
+                                     view.headroom("q"))]
     reduced = ctx.mean(jnp.concatenate([_join(local_p), corrected[view.lowrank.size:]]))
-    p_hat = view.p_factors(
-        view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p"))
+    p_hat = view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p")
     # A column of M_i^T P^ reaches sqrt(rows) times the largest entry of M_i: it is
     # taken with P^ / h and sent so; P^ h stands beside it in every product.
     p_room = view.headroom("p")
-    local_q = _transposed_products(matrices, p_hat, p_room)
-    q_mean = ctx.mean(_join(local_q))
-    p_beside = [p * h for p, h in zip(p_hat, p_room)]
+    local_q = _transposed_products(view, matrices, view.p_factors(p_hat), p_room)
+    q_mean = ctx.mean(local_q)
+    p_flat = p_hat * view.per_entry(p_room, "p")
     # The state holds the reduced Q itself where its column fits in f32, and the
     # column as sent where it does not (the warm start reads its direction only).
     # Column by column, every leaf in one batch (:meth:`MatrixView.columns`).
@@ -537,11 +583,10 @@ def powersgd(
     full = sent * view.per_leaf(p_room)
     kept = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, sent)
     new_q = view.uncolumns(_refill(kept, view.columns(q_start, "q")), "q")
-    p_flat = _join(p_beside)
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=_residual(matrices, p_beside, local_q),
+        residual=_residual(matrices, view.p_factors(p_flat), view.q_factors(local_q)),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -688,17 +733,17 @@ def acpsgd(
                for m, q, h in zip(matrices, q_hat, q_room)]
       reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
       p_mean = reduced[:view.p_size]
-      q_beside = _join([q * h for q, h in zip(q_hat, q_room)])
+      q_beside = state.q * view.per_entry(q_room, "q")
       return (p_mean, q_beside, _join(local), q_beside, reduced[view.p_size:],
               view.columns(p_mean, "p", length), view.columns(state.p, "p", length))
 
     def q_step(matrices):
       p_hat, p_room = view.p_factors(state.p), view.headroom("p")
-      local = _transposed_products(matrices, p_hat, p_room)
-      reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
+      local = _transposed_products(view, matrices, p_hat, p_room)
+      reduced = ctx.mean(jnp.concatenate([local, dense]))
       q_mean = reduced[:view.q_size]
-      p_beside = _join([p * h for p, h in zip(p_hat, p_room)])
-      return (p_beside, q_mean, p_beside, _join(local), reduced[view.q_size:],
+      p_beside = state.p * view.per_entry(p_room, "p")
+      return (p_beside, q_mean, p_beside, local, reduced[view.q_size:],
               view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
 
     even = ctx.form == 0
