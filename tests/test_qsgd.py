@@ -34,7 +34,7 @@ def _quantize(x, draws, levels, block):
   """numpy QSGD of a flat f32 ``x`` (a multiple of ``block``): its decoded values."""
   x = x.reshape(-1, block).astype(np.float32)
   norms = np.sqrt((x * x).sum(axis=1, dtype=np.float32))
-  scaled = np.float32(levels) * np.abs(x) / np.where(norms == 0, 1, norms)[:, None]
+  scaled = np.float32(levels) * (np.abs(x) / np.where(norms == 0, 1, norms)[:, None])
   floor = np.floor(scaled)
   draws = draws.reshape(x.shape)
   # Every stochastic rounding of these data is decided far from its threshold.
@@ -47,6 +47,51 @@ def _uniform(seed, device, hop, n):
   """The rounding draws of ``device``'s hop at the first step (the documented rule)."""
   (draw,), _ = harness.step_draw_keys(seed, 1)
   return np.asarray(draws.uniform(draw, n, 2 * device + hop))
+
+
+@pytest.mark.parametrize("magnitude", [1e-15, 1.0, 1e30, 4e37])
+def test_levels_round_the_share_of_the_norm_at_any_scale(magnitude):
+  """``s |x_i| / ||x_b||``, rounded down or up, at any scale whose norm fits in f32: at
+  4e37, ``s |x_i|`` overflows and the norm's reciprocal (below ``2**-126``) flushes to
+  zero, so neither may be formed."""
+  levels, block = 127, 64
+  rng = np.random.default_rng(0)
+  x = (rng.uniform(0.5, 1.0, 4 * block) * rng.choice([-1.0, 1.0], 4 * block)
+       * magnitude).astype(np.float32)
+  level, norms = jax.jit(lambda x: qsgd.quantize(x, levels, block, jax.random.key(0)))(x)
+  norms = np.asarray(norms, np.float64)
+  want = np.sqrt((x.astype(np.float64).reshape(-1, block) ** 2).sum(axis=1))
+  np.testing.assert_allclose(norms, want, rtol=1e-5)
+  share = (levels * np.abs(x.astype(np.float64)).reshape(-1, block) / norms[:, None]).reshape(-1)
+  got = np.asarray(level).astype(np.int64)
+  # Rounded down or up, allowing the f32 quotient a few ulps at an integer.
+  assert (np.abs(got) >= np.floor(share - 1e-4)).all() and (
+      np.abs(got) <= np.floor(share + 1e-4) + 1).all()
+  assert (np.sign(got[got != 0]) == np.sign(x[got != 0])).all()
+
+
+def test_gradients_near_the_largest_norm_give_their_mean():
+  """Entries of 4e37 in blocks of 64 (norm 3.2e38, just inside f32): the mean is the
+  gradient within QSGD's rounding, on both hops, not an overflowed level nor a zero
+  from a flushed reciprocal."""
+  mesh = training.make_mesh(8)
+  tx = jaxcomp.qsgd(127, "data", bucket_size=64)
+  params = {"w": jnp.zeros((8, 64))}
+  state = training.init_state(tx, params, mesh, "data")
+  grads = {"w": jnp.full((8, 8, 64), 4e37, jnp.float32)}
+  out, _ = jax.block_until_ready(training.make_update(tx, mesh, "data")(
+      training.shard(grads, mesh, "data"), state))
+  np.testing.assert_allclose(np.asarray(out["w"], np.float64), 4e37, rtol=0.15)
+
+
+def test_a_block_whose_norm_exceeds_f32_decodes_non_finite():
+  """No f32 norm carries a block of 64 entries of 1e38 (norm 8e38): it decodes to
+  non-finite values, so the step is dropped, never to zeros."""
+  x = jnp.full((128,), 1e38, jnp.float32)
+  level, norms = jax.jit(lambda x: qsgd.quantize(x, 127, 64, jax.random.key(0)))(x)
+  codec = qsgd._codec(127, 64, jax.random.key(0), 0)
+  decoded = jax.jit(codec.decode)(jax.lax.bitcast_convert_type(level, jnp.uint8), norms)
+  assert not np.isfinite(np.asarray(decoded)).any()
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])

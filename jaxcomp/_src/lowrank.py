@@ -42,6 +42,7 @@ from jax import lax
 import numpy as np
 import optax
 
+from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import fusion
 from jaxcomp._src import protocol
@@ -258,17 +259,7 @@ def _unit(x: jax.Array, axis: int) -> jax.Array:
   1e38, or near 1e-30). An all-zero slice stays zero; an Inf or NaN stays.
   """
   top = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)  # 0.0: no leaf compressed
-  return x * _unit_factor(top)
-
-
-def _unit_factor(top: jax.Array) -> jax.Array:
-  """The power of two of :func:`_unit` for slices whose largest ``|entry|`` is ``top``."""
-  biased = lax.shift_right_logical(lax.bitcast_convert_type(top, jnp.int32), 23)
-  # 2**(127 - e) takes the binade [2**(e - 127), 2**(e - 126)) to [1, 2). The factor
-  # stays a normal float (XLA:CPU flushes subnormals to zero), so the top binade
-  # (e = 254) lands in [2, 4); e = 255 (Inf, NaN) keeps its value.
-  exponent = jnp.clip(254 - biased, 1, 254)
-  return lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
+  return x * binade.unit_factor(top)
 
 
 def _gram_schmidt(columns: jax.Array, scaled: bool) -> jax.Array:
@@ -563,7 +554,7 @@ def powersgd(
     # by 4 h^2, so no entry of M_i Q exceeds the largest of M_i.
     # The scales of every leaf's columns come from one reduction over the columns
     # (of |Q|, so that its gather is fused into the reduction).
-    unit = _unit_factor(jnp.max(view.columns(jnp.abs(q_start), "q"), axis=-1,
+    unit = binade.unit_factor(jnp.max(view.columns(jnp.abs(q_start), "q"), axis=-1,
                                 initial=0.0))[:, None, :]  # 0.0: no leaf compressed
     local_p = [jnp.einsum("gmn,gnr->gmr", m, q * u * (0.25 / h**2))
                for m, q, u, h in zip(matrices, view.q_factors(q_start), view.per_group(unit),

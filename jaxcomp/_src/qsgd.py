@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import draws
 from jaxcomp._src import protocol
@@ -35,18 +36,23 @@ class QSGDState(NamedTuple):
 
 
 def _norms(blocks: jax.Array) -> jax.Array:
-  """The L2 norm of each row; rows whose squares overflow are scaled by their largest entry first.
+  """The L2 norm of each row; rows whose squares overflow are brought to their largest
+  entry's unit binade first (:func:`jaxcomp._src.binade.unit_factor`, exact).
 
   A row holding a NaN or an infinity has a non-finite norm on either path
-  (its squares' sum, or ``x / max |x|``, is NaN or ``inf`` whatever the
-  ``max`` makes of a NaN), so it decodes to non-finite values.
+  (its squares' sum, or the sum of the scaled squares, is NaN or ``inf``
+  whatever the ``max`` makes of a NaN), so it decodes to non-finite values;
+  so does a row whose norm exceeds f32's largest (its entries above about
+  ``3.4e38 / sqrt(bucket_size)``), which no f32 norm can carry. A division by
+  the largest entry instead would not do: XLA may take it as a product with
+  the reciprocal, flushed to zero above ``2**126``, and the norm came out 0.
   """
   plain = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
 
   def scaled():
-    top = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
-    unit = blocks / jnp.where(top == 0, 1.0, top)
-    return top[:, 0] * jnp.sqrt(jnp.sum(unit * unit, axis=1))
+    unit = binade.unit_factor(jnp.max(jnp.abs(blocks), axis=1))
+    rows = blocks * unit[:, None]
+    return jnp.sqrt(jnp.sum(rows * rows, axis=1)) / unit
 
   return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
 
@@ -63,7 +69,12 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
   blocks = -(-n // bucket_size)
   padded = jnp.pad(x, (0, blocks * bucket_size - n)).reshape(blocks, bucket_size)
   norms = _norms(padded)
-  scaled = levels * jnp.abs(padded) / jnp.where(norms == 0, 1.0, norms)[:, None]
+  # |x_i| / ||x_b|| first (levels * |x_i| overflows for |x_i| above f32's largest / s),
+  # both brought to the norm's unit binade (exact), so that a reciprocal of the norm
+  # does not underflow.
+  divisor = jnp.where(norms == 0, 1.0, norms)[:, None]
+  unit = binade.unit_factor(divisor)
+  scaled = levels * ((jnp.abs(padded) * unit) / (divisor * unit))
   floor = jnp.floor(scaled)
   up = draws.uniform(key, padded.size, stream).reshape(padded.shape) < scaled - floor
   level = jnp.minimum(floor + up, levels) * jnp.sign(padded)

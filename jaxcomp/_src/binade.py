@@ -1,0 +1,31 @@
+"""Exact rescaling by powers of two: a value brought into ``[1, 2)`` without rounding.
+
+A power of two changes a float's exponent only, so a product or quotient of
+rescaled values has the bits of the unscaled one wherever that one neither
+overflowed nor underflowed; rescaled first, it does neither. The low-rank
+methods bring each factor column into range before its products and
+projections, and QSGD brings each block's norm into range before the
+division by it (XLA may rewrite a division by a broadcast value as a
+product with its reciprocal, which underflows to zero, flushed, for a norm
+above ``2**126``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def unit_factor(top: jax.Array) -> jax.Array:
+  """The power of two ``f`` (f32, shaped like ``top``) with ``f * |top|`` in ``[1, 2)``.
+
+  ``top``: f32, any shape. ``f`` stays a normal float (XLA:CPU flushes
+  subnormals to zero), so the top binade (``|top| >= 2**127``) lands in
+  ``[2, 4)``; ``top`` 0 or subnormal gets ``2**127`` (``f * |top| < 2``);
+  an Inf or NaN ``top`` gets ``2**-126`` and stays Inf or NaN.
+  """
+  biased = lax.shift_right_logical(lax.bitcast_convert_type(jnp.abs(top), jnp.int32), 23)
+  # 2**(127 - e) takes the binade [2**(e - 127), 2**(e - 126)) to [1, 2).
+  exponent = jnp.clip(254 - biased, 1, 254)
+  return lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
