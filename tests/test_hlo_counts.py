@@ -29,7 +29,9 @@ def test_one_elementwise_pass_reads_and_writes_once(x):
 
 
 def test_a_reduction_reads_once(x):
-  chex.assert_trees_all_close(_counts(jnp.sum, x).passes, 1.0, atol=1e-3)
+  # Within 1%: XLA may add a small kernel of partial sums (0.2% of a pass on jax 0.10.0
+  # and 0.10.1), still one read of ``x``.
+  chex.assert_trees_all_close(_counts(jnp.sum, x).passes, 1.0, atol=1e-2)
 
 
 def test_a_slice_reads_only_the_slice(x):

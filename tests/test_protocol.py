@@ -118,12 +118,13 @@ def _reads_of_old_residual(tx) -> int:
 ], ids=["lazy_half", "topk", "signsgd", "dgc", "demo"])
 def test_a_residual_formed_where_it_is_written_reads_the_old_one_once(make):
   """On CPU the new residual is written inside the branch that keeps the step, so the old
-  one is read once, by error feedback's addition; a residual given eagerly is read a second
-  time, by the ``where`` between the new and the old values."""
+  one is read once, by error feedback's addition; a residual given eagerly is read again,
+  by the ``where`` between the new and the old values (once more on jax 0.10.2, twice on
+  0.10.0 and 0.10.1)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the conditional is XLA:CPU's form; elsewhere the where is fused")
   assert _reads_of_old_residual(make("data")) == 1
-  assert _reads_of_old_residual(half("data")) == 2
+  assert _reads_of_old_residual(half("data")) >= 2
 
 
 CARRIERS = {
