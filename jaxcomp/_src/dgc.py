@@ -17,8 +17,10 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
+from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
 from jaxcomp._src import error_feedback
@@ -236,11 +238,23 @@ def dgc(
     position), so that it fuses into the addition of the residual. The
     carry is the clipped gradient: ``step`` forms every leaf's new momentum
     from it."""
-    scale = 1.0
+    clipped = gradient
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(ctx.num_devices)
-      scale = jnp.minimum(1.0, limit / jnp.sqrt(jnp.sum(gradient * gradient)))
-    clipped = gradient * scale
+      norm = jnp.sqrt(jnp.sum(gradient * gradient))
+
+      def overflowed():
+        # The squares' sum overflowed (a norm past 1.8e19), and limit / inf would
+        # clip the gradient to 0: its direction, from the gradient brought to its
+        # largest entry's unit binade (exact), times the limit.
+        unit = binade.unit_factor(jnp.max(jnp.abs(gradient)))
+        scaled = gradient * unit
+        return unit, limit / jnp.sqrt(jnp.sum(scaled * scaled))
+
+      unit, scale = lax.cond(jnp.isfinite(norm),
+                             lambda: (jnp.float32(1.0), jnp.minimum(1.0, limit / norm)),
+                             overflowed)
+      clipped = gradient * unit * scale
     _, velocity = accumulate(state.momentum, clipped)
     return jnp.where(_in_head(ctx.bucket, where), velocity, clipped), clipped
 
