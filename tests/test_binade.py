@@ -28,3 +28,15 @@ def test_zero_and_non_finite_values():
   np.testing.assert_array_equal(got, np.float32([2.0**127, 2.0**127, 2.0**-126, 2.0**-126,
                                                  2.0**-126]))
   assert np.isnan(np.float32(np.nan) * got[-1]) and np.isinf(np.float32(np.inf) * got[2])
+
+
+def test_unit_norm_gives_the_norm_where_the_squares_overflow():
+  rows = np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
+  for scale in (1.0, 1e30):
+    x = rows * np.float32(scale)
+    f, norm = binade.unit_norm(jnp.asarray(x), axis=1)
+    want = np.linalg.norm(x.astype(np.float64), axis=1)
+    np.testing.assert_allclose(np.float64(norm) / np.float64(f), want, rtol=1e-6)
+    f, norm = binade.unit_norm(jnp.asarray(x))
+    np.testing.assert_allclose(float(norm) / float(f), np.linalg.norm(x.astype(np.float64)),
+                               rtol=1e-6)

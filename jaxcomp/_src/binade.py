@@ -4,10 +4,11 @@ A power of two changes a float's exponent only, so a product or quotient of
 rescaled values has the bits of the unscaled one wherever that one neither
 overflowed nor underflowed; rescaled first, it does neither. The low-rank
 methods bring each factor column into range before its products and
-projections, and QSGD brings each block's norm into range before the
+projections, QSGD brings each block's norm into range before the
 division by it (XLA may rewrite a division by a broadcast value as a
 product with its reciprocal, which underflows to zero, flushed, for a norm
-above ``2**126``).
+above ``2**126``), and QSGD's and DGC's norms of gradients whose squares
+overflow come from the rescaled gradient (:func:`unit_norm`).
 """
 
 from __future__ import annotations
@@ -29,3 +30,17 @@ def unit_factor(top: jax.Array) -> jax.Array:
   # 2**(127 - e) takes the binade [2**(e - 127), 2**(e - 126)) to [1, 2).
   exponent = jnp.clip(254 - biased, 1, 254)
   return lax.bitcast_convert_type(lax.shift_left(exponent, 23), jnp.float32)
+
+
+def unit_norm(x: jax.Array, axis=None) -> tuple[jax.Array, jax.Array]:
+  """``(f, ||f x||)``: :func:`unit_factor` of ``x``'s largest ``|entry|`` along ``axis``
+  (all of ``x`` for ``None``) and the L2 norm of ``x`` times it, along ``axis``.
+
+  ``||x|| = ||f x|| / f`` exactly, but ``||f x||`` never overflows (its
+  squares are at most 16 each) where the squares of ``x`` do (entries past
+  1.8e19), so it gives the direction ``f x / ||f x||`` of any finite ``x``.
+  """
+  f = unit_factor(jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None))
+  scaled = x * f
+  norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=axis))
+  return (f if axis is None else jnp.squeeze(f, axis)), norm

@@ -247,9 +247,8 @@ def dgc(
         # The squares' sum overflowed (a norm past 1.8e19), and limit / inf would
         # clip the gradient to 0: its direction, from the gradient brought to its
         # largest entry's unit binade (exact), times the limit.
-        unit = binade.unit_factor(jnp.max(jnp.abs(gradient)))
-        scaled = gradient * unit
-        return unit, limit / jnp.sqrt(jnp.sum(scaled * scaled))
+        unit, norm = binade.unit_norm(gradient)
+        return unit, limit / norm
 
       unit, scale = lax.cond(jnp.isfinite(norm),
                              lambda: (jnp.float32(1.0), jnp.minimum(1.0, limit / norm)),

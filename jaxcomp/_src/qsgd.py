@@ -50,9 +50,8 @@ def _norms(blocks: jax.Array) -> jax.Array:
   plain = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
 
   def scaled():
-    unit = binade.unit_factor(jnp.max(jnp.abs(blocks), axis=1))
-    rows = blocks * unit[:, None]
-    return jnp.sqrt(jnp.sum(rows * rows, axis=1)) / unit
+    unit, norm = binade.unit_norm(blocks, axis=1)
+    return norm / unit
 
   return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
 
