@@ -44,6 +44,7 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -255,7 +256,8 @@ def _program(tx, mesh, grads, params, n: int) -> _Program:
   compiled = compute.compile_update(tx, params, mesh, axes, per_device_grads=grads)
   elements = sum(x.size for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
   return _Program(compiled.step, compiled.compile_s,
-                  hlo_counts.count(compiled.program, n).passes, elements)
+                  hlo_counts.count(compiled.program, n, jax.default_backend()).passes,
+                  elements)
 
 
 def _seconds(step: Callable[[], object]) -> float:
@@ -508,6 +510,9 @@ def main(argv=None) -> None:
                            " (bucket_cap_mb; 0: one bucket only)")
   parser.add_argument("--out", default="",
                       help="also write the Markdown report to this path")
+  parser.add_argument("--save-hlo", default="",
+                      help="also write each compiled program's text into this folder"
+                           " (the one-device table)")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.repeats < 1:
@@ -516,6 +521,8 @@ def main(argv=None) -> None:
     parser.error("--fast must be 0 (off) or >= 2")
   if args.bucket_cap_mb < 0:
     parser.error("--bucket-cap-mb must be >= 0 (0: one bucket only)")
+  if args.save_hlo and args.fast:
+    parser.error("--save-hlo writes the one-device table's programs: not with --fast")
 
   if args.fast:
     _use_cpu_devices(args.fast)
@@ -544,6 +551,17 @@ def _device_note() -> str:
   if device.platform == "cpu":
     return f"one CPU device on {os.cpu_count()} cores"
   return f"one {device.device_kind} ({device.platform})"
+
+
+def save_program(folder: str, label: str, text: str) -> str:
+  """Write ``text`` to ``folder`` under ``label`` made a file name (letters, digits,
+  ``.``, ``_``, ``-``); the path written."""
+  os.makedirs(folder, exist_ok=True)
+  name = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9.-]", "_", label)).strip("_")
+  path = os.path.join(folder, f"{name}.hlo.txt")
+  with open(path, "w") as f:
+    f.write(text)
+  return path
 
 
 def run_single(args, argv, table: dict, log=print) -> str:
@@ -591,7 +609,9 @@ def run_single(args, argv, table: dict, log=print) -> str:
     baseline = step_s.get("allreduce")
     lines = []
     for label, tx in txs.items():
-      counts = hlo_counts.count(compiled[label].program, n)
+      if args.save_hlo:
+        save_program(args.save_hlo, f"{model} {label}", compiled[label].program)
+      counts = hlo_counts.count(compiled[label].program, n, jax.default_backend())
       fresh = compiled[label].fresh_bytes
       mbytes = float(wire.expected_bytes(tx, grads, args.devices).total) / 1e6
       cells = [label, f"{step_s[label] * 1e3:.1f}",

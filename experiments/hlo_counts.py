@@ -16,7 +16,11 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   reads the gradient once and writes it once makes 2 passes. A fusion's
   operand that it only slices counts the slices it reads; a kernel that
   updates a buffer in place (``scatter``, ``dynamic-update-slice``, alone or
-  as a fusion's root) counts the update, not the buffer.
+  as a fusion's root) counts the update, not the buffer. Which fusions write
+  in place is the backend's rule: XLA:CPU, one whose buffer is read by the
+  root alone; XLA:GPU also one that reads it by a ``dynamic-slice`` with the
+  write's own start and shape (``backend="gpu"``). Any other read of the
+  buffer (a static ``slice`` included) makes the kernel copy all of it.
 
 Example::
 
@@ -125,12 +129,15 @@ def source(instruction: _Instruction) -> str:
 
 
 def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes: dict,
-                    operand_shapes: dict) -> int:
+                    operand_shapes: dict, reads_at_write: bool) -> int:
   """Bytes a fusion reads and writes: sliced operands by their slices, in-place roots by the update.
 
   A loop fusion without a reduction computes each output element once from
   about one element of each operand (a slice of a larger computation is
-  computed on the slice).
+  computed on the slice). ``reads_at_write``: a root ``dynamic-update-slice``
+  still writes in place where its buffer is also read by dynamic slices of
+  the update's shape at the same start (XLA:GPU's rule); those read their
+  slices.
   """
   users: dict[str, list[_Instruction]] = {}
   for inner in fused:
@@ -149,8 +156,13 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
     full = sizes.get(operand, 0)
     param = params.get(position)
     uses = users.get(param.name, []) if param is not None else []
-    if param is not None and param.name == in_place and all(u is root for u in uses):
-      continue  # updated in place: only the update moves
+    if param is not None and param.name == in_place:
+      at_write = [u for u in uses if u is not root]
+      if not at_write:
+        continue  # updated in place: only the update moves
+      if reads_at_write and all(_reads_where_written(u, root, fused) for u in at_write):
+        total += sum(_bytes(u.shape) for u in at_write)
+        continue
     read = min(full, _read(param, users, full)) if param is not None else full
     if loop:  # one output element reads about one element of each operand
       read = min(read, out_elements * _itemsize(operand_shapes.get(operand, "")))
@@ -159,6 +171,16 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
     shapes = {inner.name: inner.shape for inner in fused}
     return total + sum(_bytes(shapes.get(o, "")) for o in root.operands[1:])
   return total + _bytes(instruction.shape)
+
+
+def _reads_where_written(read: _Instruction, write: _Instruction,
+                         fused: list[_Instruction]) -> bool:
+  """Whether ``read`` is a ``dynamic-slice`` of the span that the root
+  ``dynamic-update-slice`` ``write`` writes: its buffer, start and shape."""
+  shapes = {inner.name: inner.shape for inner in fused}
+  return (read.op == "dynamic-slice" and read.operands[0] == write.operands[0]
+          and read.operands[1:] == write.operands[2:]
+          and read.shape == shapes.get(write.operands[1]))
 
 
 def _elements(shape: str) -> int:
@@ -209,14 +231,23 @@ def _parameter_index(parameter: _Instruction) -> int:
   return int(parameter.operands[0]) if parameter.operands else -1
 
 
-def count(text: str, n: int) -> Counts:
-  """The :class:`Counts` of an optimized HLO module's text, passes in units of ``f32[n]``."""
+BACKENDS = ("cpu", "gpu")
+
+
+def count(text: str, n: int, backend: str = "cpu") -> Counts:
+  """The :class:`Counts` of an optimized HLO module's text, passes in units of ``f32[n]``.
+
+  ``backend``: the one that compiled ``text`` (``jax.default_backend()``), whose
+  rule for writing a fusion's buffer in place is applied.
+  """
   if n < 1:
     raise ValueError(f"`n` must be >= 1, got {n}")
+  if backend not in BACKENDS:
+    raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
   parsed = computations(_with_parameter_numbers(text))
   if "ENTRY" not in parsed:
     raise ValueError("`text` holds no ENTRY computation (pass compiled.as_text())")
-  weights = _weights("ENTRY", parsed, n, ())
+  weights = _weights("ENTRY", parsed, n, (), backend == "gpu")
   by_op: dict[str, int] = {}
   for _, op, _ in weights:
     by_op[op] = by_op.get(op, 0) + 1
@@ -231,7 +262,8 @@ def count(text: str, n: int) -> Counts:
                 heaviest=heaviest)
 
 
-def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
+def _weights(name: str, computations: dict, n: int, stack: tuple,
+             reads_at_write: bool) -> list:
   """``[(passes, opcode, op_name)]`` of every kernel a run of computation ``name`` starts.
 
   A ``while`` counts its condition and body once; a ``conditional`` its
@@ -246,7 +278,7 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
     sizes[instruction.name] = _bytes(instruction.shape)
     shapes[instruction.name] = instruction.shape
     if instruction.op == "conditional":
-      branches = [_weights(b, computations, n, stack)
+      branches = [_weights(b, computations, n, stack, reads_at_write)
                   for key in ("branch_computations", "true_computation", "false_computation")
                   for b in called(instruction, key)]
       working = [ws for ws in branches if ws] or [[]]
@@ -255,13 +287,14 @@ def _weights(name: str, computations: dict, n: int, stack: tuple) -> list:
     if instruction.op in _CONTROL:
       for key in ("condition", "body", "to_apply"):
         for callee in called(instruction, key):
-          weights.extend(_weights(callee, computations, n, stack))
+          weights.extend(_weights(callee, computations, n, stack, reads_at_write))
       continue
     if instruction.op in _FREE:
       continue
     if instruction.op == "fusion":
       (callee,) = called(instruction, "calls")[:1] or ("",)
-      moved = _fusion_traffic(instruction, computations.get(callee, []), sizes, shapes)
+      moved = _fusion_traffic(instruction, computations.get(callee, []), sizes, shapes,
+                              reads_at_write)
     elif instruction.op in _IN_PLACE:
       # Written over its first operand (copy insertion adds a copy where it
       # cannot be): the update and the indices are read, the update written.

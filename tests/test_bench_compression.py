@@ -137,7 +137,8 @@ def test_default_rows_are_the_registry():
 
 
 def test_bad_arguments_are_refused():
-  for argv in (["--fast", "1"], ["--fast", "2", "--repeats", "0"]):
+  for argv in (["--fast", "1"], ["--fast", "2", "--repeats", "0"],
+               ["--fast", "2", "--save-hlo", "hlo"]):
     with pytest.raises(SystemExit):
       bench_compression.main(argv)
 
@@ -145,9 +146,14 @@ def test_bad_arguments_are_refused():
 def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   out = tmp_path / "single.md"
   argv = ["--model", "tiny", "--repeats", "1", "--density", "0.1", "--only", "topk,signsgd",
-          "--bucket-cap-mb", "0", "--out", str(out)]
+          "--bucket-cap-mb", "0", "--out", str(out), "--save-hlo", str(tmp_path / "hlo")]
   bench_compression.main(argv)
   report = out.read_text()
+  # Each row's program is saved, named for its model and label, and its counts
+  # are those of the table.
+  saved = {p.name: p.read_text() for p in (tmp_path / "hlo").iterdir()}
+  assert set(saved) == {"tiny_allreduce.hlo.txt", "tiny_topk_density_0.1.hlo.txt",
+                        "tiny_signsgd.hlo.txt", "tiny_signsgd_majority_vote_True.hlo.txt"}
   assert "one CPU device" in report and "experiments.hlo_counts" in report
   ((header, rows),) = _tables(report)
   assert tuple(header) == bench_compression.SINGLE_COLUMNS
@@ -163,6 +169,8 @@ def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   for row in by_label.values():
     assert int(row["kernels"]) >= 3 and float(row["passes"]) >= 2.0
     assert float(row["fresh"]) >= 1.0
+  topk = hlo_counts.count(saved["tiny_topk_density_0.1.hlo.txt"], 875)
+  assert str(topk.kernels) == by_label["topk(density=0.1)"]["kernels"]
 
 
 def test_a_method_with_forms_has_a_row_per_form(tmp_path):

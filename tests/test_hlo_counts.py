@@ -83,6 +83,35 @@ def test_an_in_place_update_outside_a_fusion_moves_the_update_only(x):
   assert counts.passes < 0.01, counts
 
 
+def _update_of_read_span(start):
+  """A span of ``v`` replaced by ``where(keep, 2 v, v)`` over it, read and written at ``start``."""
+  def fn(v, keep):
+    at = (start(),)
+    old = lax.dynamic_slice(v, at, (N // 8,))
+    return lax.dynamic_update_slice(v, jnp.where(keep, 2 * old + 1, old), at)
+  return fn
+
+
+def test_a_span_read_where_it_is_written_is_in_place_on_gpu_only(x):
+  """XLA:GPU writes a fusion's buffer in place when the buffer is read only by a
+  dynamic slice at the write's own start; XLA:CPU only when the write alone reads it.
+  A start that XLA folds to a constant turns the read into a static slice: the whole
+  buffer moves on both."""
+  keep = jnp.bool_(True)
+  hidden = _update_of_read_span(lambda: lax.optimization_barrier(jnp.int32(N // 4)))
+  text = jax.jit(hidden, donate_argnums=0).lower(x, keep).compile().as_text()
+  assert "dynamic-slice(" in text
+  span = 1 / 8  # of f32[N]: the span read, and written
+  chex.assert_trees_all_close(hlo_counts.count(text, N, "gpu").passes, 2 * span, atol=1e-3)
+  assert hlo_counts.count(text, N, "cpu").passes > 1.0
+  folded = _update_of_read_span(lambda: N // 4)
+  text = jax.jit(folded, donate_argnums=0).lower(x, keep).compile().as_text()
+  assert "dynamic-slice(" not in text
+  assert hlo_counts.count(text, N, "gpu").passes > 1.0
+  with pytest.raises(ValueError, match="backend"):
+    hlo_counts.count(text, N, "tpu")
+
+
 def test_a_conditional_counts_its_lightest_branch(x):
   def fn(v):
     return lax.cond(v[0] > 0, lambda: v + 1, lambda: jnp.sort(v) + jnp.cumsum(v))
