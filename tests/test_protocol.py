@@ -14,6 +14,7 @@ import jaxcomp
 from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import fusion
 import harness
 
 PARAMS = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,))}
@@ -125,6 +126,29 @@ def test_a_residual_formed_where_it_is_written_reads_the_old_one_once(make):
     pytest.skip("the conditional is XLA:CPU's form; elsewhere the where is fused")
   assert _reads_of_old_residual(make("data")) == 1
   assert _reads_of_old_residual(half("data")) >= 2
+
+
+def test_a_skippable_write_elsewhere_moves_the_pieces_not_the_buffer():
+  """Off CPU each piece's write is fused with the ``where`` that keeps the old span:
+  a kernel that reads the buffer only where it writes, by a dynamic slice at the
+  write's own start, which XLA:GPU writes in place. A constant start would fold into a
+  static slice, and each piece's kernel would copy the whole buffer."""
+  n, sizes = 1 << 16, (1 << 14, 1 << 13, 3000)
+  offsets = (0, 1 << 14, 40_000)
+  values = tuple(jnp.ones(size) for size in sizes)
+  write = jax.jit(
+      lambda old, values, keep: fusion._written_selected(old, fusion.Pieces(offsets, values),
+                                                         keep),
+      donate_argnums=0)
+  text = write.lower(jnp.zeros(n), values, jnp.bool_(True)).compile().as_text()
+  moved = 3 * sum(sizes) / n  # each span: its old values and its piece read, written
+  chex.assert_trees_all_close(hlo_counts.count(text, n, "gpu").passes, moved, rtol=0.01)
+  for keep in (True, False):
+    got = np.asarray(write(jnp.full(n, 2.0), values, jnp.bool_(keep)))
+    want = np.full(n, 2.0)
+    for offset, size in zip(offsets, sizes):
+      want[offset:offset + size] = 1.0 if keep else 2.0
+    np.testing.assert_array_equal(got, want)
 
 
 CARRIERS = {

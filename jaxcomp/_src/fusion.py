@@ -219,10 +219,16 @@ def _written_selected(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
   new = _value(new)
   if not isinstance(new, Pieces):
     return jnp.where(keep, new, buffer)
-  for offset, piece in zip(new.offsets, new.values):
+  # XLA:GPU writes a span in place only when the kernel reads nothing else of
+  # the buffer than a dynamic-slice with the write's own start. A constant
+  # start turns the read into a static slice (the simplifier's), and the
+  # kernel then copies the whole buffer: one copy per piece. Behind a barrier
+  # the starts stay operands, the same for the read and the write.
+  starts = lax.optimization_barrier(tuple(jnp.int32(offset) for offset in new.offsets))
+  for start, piece in zip(starts, new.values):
     piece = piece.reshape(-1)
-    kept = jnp.where(keep, piece, lax.dynamic_slice(buffer, (offset,), piece.shape))
-    buffer = lax.dynamic_update_slice(buffer, kept, (offset,))
+    kept = jnp.where(keep, piece, lax.dynamic_slice(buffer, (start,), piece.shape))
+    buffer = lax.dynamic_update_slice(buffer, kept, (start,))
   return buffer
 
 
