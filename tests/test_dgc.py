@@ -1,5 +1,6 @@
 """Deep Gradient Compression on 8 fake CPU devices: each of its five parts."""
 
+import collections
 from fractions import Fraction
 import math
 
@@ -13,6 +14,7 @@ from experiments import hlo_counts
 from jaxcomp._src import checks
 from jaxcomp._src import dense
 from jaxcomp._src import dgc
+from jaxcomp._src import selection
 from jaxcomp import training
 from jaxcomp import wire
 import harness
@@ -356,6 +358,40 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
     assert sent.sum() == k
     np.testing.assert_array_equal(np.sort(np.nonzero(sent)[0]), np.sort(harness.np_topk(g, k)))
   assert wire.expected_bytes(tx, params, 8).total == 7 * 8 * k
+
+
+def test_gpu_tuning_selects_with_top_k_without_a_loop_or_a_branch(mesh8, monkeypatch):
+  """With the GPU's tunables (``sampled=False``) a sampled DGC is DGC at
+  ``sample_ratio=1``: the same outputs and state bit for bit over two steps,
+  from a program with no ``while`` or ``conditional`` (XLA:GPU reads their
+  predicates on the host)."""
+  params = {"big": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}
+  grads = [{"big": jax.random.normal(jax.random.key(s), (8, 64, 64)),
+            "b": jax.random.normal(jax.random.key(s + 10), (8, 64))} for s in (1, 2)]
+
+  def run(tx):
+    state = training.init_state(tx, params, mesh8, "data")
+    step = harness.step_fn(tx, mesh8)
+    control = collections.Counter(
+        i.op for body in hlo_counts.computations(
+            step.lower(grads[0], state).compile().as_text()).values()
+        for i in body if i.op in ("while", "conditional"))
+    for g in grads:
+      out, state = jax.block_until_ready(step(g, state))
+    return jax.tree.leaves((out, state)), control
+
+  exact, exact_control = run(dgc.dgc(0.02, "data", sample_ratio=1.0))
+  # The CPU's route, the foil: the threshold's loops and the fallback's branch.
+  _, sampled_control = run(dgc.dgc(0.02, "data", sample_ratio=0.25))
+  assert sampled_control["while"] > exact_control["while"]
+  assert sampled_control["conditional"] > exact_control["conditional"]
+  gpu = selection.tuning_for("gpu")
+  monkeypatch.setattr(selection, "tuning_for", lambda backend=None: gpu)
+  on_gpu, control = run(dgc.dgc(0.02, "data", sample_ratio=0.25))
+  # On CPU the residual's write keeps its branch (fusion.overwrite): no more.
+  assert control == exact_control, (control, exact_control)
+  for a, b in zip(on_gpu, exact):
+    harness.assert_bitwise_equal(a, b)
 
 
 def test_mismatched_updates_raise():

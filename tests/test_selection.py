@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hlo_counts
 from jaxcomp import collectives
 from jaxcomp._src import selection
 import harness
@@ -34,13 +35,15 @@ def _assert_same_as_lax_top_k(x, capacity, values, indices):
 
 
 def test_backend_defaults_are_the_documented_ones():
-  """On CPU exact_topk from 4M entries on and rows ranked by blocks of 32; neither on
-  GPU or TPU."""
+  """On CPU exact_topk from 4M entries on, rows ranked by blocks of 32 and DGC's
+  threshold sampled; none of them on GPU or TPU."""
   assert selection.tuning_for("cpu").exact_min_size == 1 << 22
   assert selection.tuning_for("cpu").row_block == 32
+  assert selection.tuning_for("cpu").sampled
   for backend in ("gpu", "cuda", "rocm", "tpu"):
     assert selection.tuning_for(backend).exact_min_size is None
     assert selection.tuning_for(backend).row_block is None
+    assert not selection.tuning_for(backend).sampled
   assert selection.tuning_for() == selection.tuning_for(jax.default_backend())
   assert selection.tuning_for("an-unknown-backend") == selection.Tuning()
 
@@ -156,6 +159,26 @@ def test_sampled_topk_is_exact_top_k_when_the_count_fits(ratio):
   values, indices = select(jnp.asarray(x), jax.random.key(0))
   np.testing.assert_array_equal(np.sort(np.asarray(indices)), np.sort(harness.np_topk(x, k)))
   harness.assert_bitwise_equal(values, x[np.asarray(indices)])
+
+
+def test_sampled_topk_unsampled_is_lax_top_k_without_a_loop_or_a_branch():
+  """``Tuning(sampled=False)``: select_topk's payload bit for bit, k's tail emptied,
+  and no ``while`` or ``conditional`` in the program (each a host round trip on GPU)."""
+  n, capacity, k = 4096, 64, 50
+  x = jnp.asarray(_normal(n, 5))
+  unsampled = selection.Tuning(sampled=False)
+  select = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.05, unsampled))
+  got = select(x, jax.random.key(0))
+  for a, b in zip(got, jax.jit(lambda x: selection.select_topk(x, capacity, k))(x)):
+    harness.assert_bitwise_equal(a, b)
+  assert int(np.sum(np.asarray(got[1]) != EMPTY)) == k
+  ops = {i.op for body in hlo_counts.computations(
+      select.lower(x, jax.random.key(0)).compile().as_text()).values() for i in body}
+  assert not ops & {"while", "conditional"}, ops
+  sampled = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.05))
+  ops = {i.op for body in hlo_counts.computations(
+      sampled.lower(x, jax.random.key(0)).compile().as_text()).values() for i in body}
+  assert {"while", "conditional"} <= ops  # the foil: the sampled route has both
 
 
 def test_sampled_threshold_candidates_fit_the_capacity():

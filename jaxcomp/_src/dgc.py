@@ -147,7 +147,9 @@ def dgc(
      threshold is off (above ``CANDIDATE_FACTOR`` times the capacity, or
      below ``MIN_FRACTION * k``) it falls back to the exact ``lax.top_k``
      under a ``lax.cond`` with no collective inside (devices may take
-     different branches). ``sample_ratio=1.0`` always uses ``lax.top_k``.
+     different branches). ``sample_ratio=1.0`` always uses ``lax.top_k``,
+     and so does every ratio on GPU and TPU, where one ``top_k`` kernel is
+     faster than the threshold's passes (``selection.tuning_for``).
      Every device's ``(values / P, indices)`` is all-gathered and the mean
      is their scatter-add.
   4. *Momentum factor masking*: ``v`` keeps what was not sent (``v - sent``,
@@ -271,7 +273,8 @@ def dgc(
           values, indices = selection.select_topk(corrected[:sparse.size], k)
         else:
           values, indices = selection.sampled_topk(
-              corrected, k, k, ctx.key, sample_ratio, size=sparse.size)
+              corrected, k, k, ctx.key, sample_ratio, selection.tuning_for(),
+              size=sparse.size)
         all_values, all_indices = ctx.sparse_allgather(values, indices)
         # 0, or NaN when a gathered value is not finite (then so is the mean):
         # the k-sized test stands in for one over the n-sized mean.

@@ -8,6 +8,8 @@ Three ways to the same question, with their tunables as arguments
   sample, one compacting pass, and an exact fallback under a ``lax.cond``.
 * :func:`sampled_topk`: Deep Gradient Compression's sampled threshold (about
   the top k; the exact fallback only when the count above it is far off).
+  Its callers pass :func:`tuning_for`'s tunables: on GPU and TPU they select
+  with ``lax.top_k`` instead (``Tuning.sampled``).
 
 :func:`topk` is what the sparsifiers call: the exact set of ``lax.top_k``, by
 the route :func:`tuning_for` picks for the backend: on CPU, buckets of at
@@ -65,6 +67,12 @@ class Tuning(NamedTuple):
     row_block: :func:`topk_per_row` finds each row's ``k`` largest among
       the entries of the ``k`` blocks of this many entries with the largest
       maxima (``None``: ``lax.top_k`` over the whole row).
+    sampled: :func:`sampled_topk` selects by its sampled threshold
+      (``False``: by ``lax.top_k``, the exact top k, which the threshold
+      finds too whenever the count above it reaches k). On GPU one
+      ``top_k`` kernel beats the threshold's loops of small kernels and its
+      ``lax.cond``, whose predicate XLA:GPU reads on the host: DGC with 25
+      MiB buckets on an H200 (``bench_compression_gpu.md``).
   """
 
   oversample: float = 1.25
@@ -75,12 +83,13 @@ class Tuning(NamedTuple):
   exact_sample_above: int = 256
   exact_sample_max: float = 0.25
   row_block: Optional[int] = 32
+  sampled: bool = True
 
 
 # The CPU default switches to exact_topk where its one pass beats lax.top_k
-# (large buckets), and ranks rows by blocks; GPUs and TPUs keep lax.top_k
-# (bench_selection.py).
-_ACCELERATOR = Tuning(exact_min_size=None, row_block=None)
+# (large buckets), ranks rows by blocks and samples DGC's threshold; GPUs and
+# TPUs keep lax.top_k (bench_selection.py, bench_compression_gpu.md).
+_ACCELERATOR = Tuning(exact_min_size=None, row_block=None, sampled=False)
 _BY_BACKEND = {"cpu": Tuning(), "gpu": _ACCELERATOR, "cuda": _ACCELERATOR,
                "rocm": _ACCELERATOR, "tpu": _ACCELERATOR}
 
@@ -329,7 +338,8 @@ def sampled_topk(
      back to the exact ``lax.top_k`` of ``x``. The choice is a ``lax.cond``
      with no collective inside, so devices may take different branches.
 
-  A capacity of ``n`` (density 1) selects with ``lax.top_k`` directly.
+  A capacity of ``n`` (density 1), or ``tuning.sampled`` false, selects with
+  ``lax.top_k`` directly (:func:`select_topk`: largest first).
 
   Args:
     x: ``f32[n]``.
@@ -337,8 +347,10 @@ def sampled_topk(
     k: traced or static count ``<= capacity`` to select.
     key: a typed PRNG key for the sample.
     sample_ratio: share of ``x`` sampled, in (0, 1).
-    tuning: the tunables (:class:`Tuning`; ``oversample``,
-      ``candidate_factor`` and ``min_fraction`` are read).
+    tuning: the tunables (:class:`Tuning`; ``sampled``, ``oversample``,
+      ``candidate_factor`` and ``min_fraction`` are read). By default
+      ``Tuning()``, sampled on every backend; :func:`tuning_for` gives the
+      backend's.
     size: select among ``x[:size]`` only (default: all of ``x``). A caller
       whose bucket ends in leaves it does not sparsify passes the whole
       bucket: the head is read where it lies, never copied out.
@@ -356,9 +368,9 @@ def sampled_topk(
     # XLA rewrites a slice of a concatenation into a second concatenation
     # (an n-sized copy); behind the barrier the head is read in place.
     x = lax.optimization_barrier(x)
-  if capacity >= size:
-    return select_topk(x[:size], capacity, k)
   tuning = tuning or Tuning()
+  if capacity >= size or not tuning.sampled:
+    return select_topk(x[:size], capacity, k)
   candidates = candidate_capacity(size, capacity, tuning)
   k = jnp.asarray(k, jnp.int32)
   index, total = threshold_candidates(x[:size], k, key, sample_ratio, candidates, tuning)
