@@ -14,9 +14,11 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
 * **passes**: the bytes those kernels read and write, divided by the bytes
   of one f32 buffer of ``n`` elements (the gradient's size): a step that
   reads the gradient once and writes it once makes 2 passes. A fusion's
-  operand that it only slices counts the slices it reads; a kernel that
-  updates a buffer in place (``scatter``, ``dynamic-update-slice``, alone or
-  as a fusion's root) counts the update, not the buffer. Which fusions write
+  operand that it only slices counts the slices it reads (through a
+  concatenation, at most the slice: its own part of it is not worked out);
+  a kernel that updates a buffer in place (``scatter``,
+  ``dynamic-update-slice``, alone or as a fusion's root) counts the update,
+  not the buffer. Which fusions write
   in place is the backend's rule: XLA:CPU, one whose buffer is read by the
   root alone; XLA:GPU also one that reads it by a ``dynamic-slice`` with the
   write's own start and shape (``backend="gpu"``). Any other read of the
@@ -213,6 +215,10 @@ def _read(param: _Instruction, users: dict, full: int) -> int:
         read += _elements(user.shape) * ratio * per_element
       elif user.op == "broadcast" and user.operands == [current.name]:
         frontier.append((user, ratio * size / max(1, _elements(user.shape))))
+      elif user.op == "concatenate":
+        # An element of the concatenation is one element of one operand, and
+        # a slice of it is computed on the slice: at most the slice is read.
+        frontier.append((user, ratio))
       elif _elements(user.shape) == size and user.op not in _IN_PLACE:
         frontier.append((user, ratio))  # element-wise: follow it to what it feeds
       else:
