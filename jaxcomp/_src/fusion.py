@@ -188,7 +188,9 @@ def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Arra
   once per piece), and a ``where`` over ``f32[n]`` reads all of ``old``. An
   ``f32[n]`` computed beforehand gets that ``where``: a branch would copy
   it. Elsewhere the ``where`` is fused into each write (a conditional on
-  GPU reads its predicate on the host). ``keep=None``: always written.
+  GPU reads its predicate on the host), its read of the old span a dynamic
+  slice at the write's own start, which XLA:GPU writes in place.
+  ``keep=None``: always written.
   """
   if keep is None:
     return _written(old, _value(new))
