@@ -18,11 +18,11 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   concatenation, at most the slice: its own part of it is not worked out);
   a kernel that updates a buffer in place (``scatter``,
   ``dynamic-update-slice``, alone or as a fusion's root) counts the update,
-  not the buffer. Which fusions write
-  in place is the backend's rule: XLA:CPU, one whose buffer is read by the
-  root alone; XLA:GPU also one that reads it by a ``dynamic-slice`` with the
-  write's own start and shape (``backend="gpu"``). Any other read of the
-  buffer (a static ``slice`` included) makes the kernel copy all of it.
+  not the buffer. Which fusions write in place is the backend's rule:
+  XLA:CPU, one whose buffer is read by the root alone; XLA:GPU also one
+  that reads it by a ``dynamic-slice`` with the write's own start and shape
+  (``backend="gpu"``). Any other read of the buffer (a static ``slice``
+  included) makes the kernel copy all of it.
 
 Example::
 
