@@ -363,8 +363,8 @@ def test_sampled_threshold_selects_within_capacity(mesh8):
 def test_gpu_tuning_selects_with_top_k_without_a_loop_or_a_branch(mesh8, monkeypatch):
   """With the GPU's tunables (``sampled=False``) a sampled DGC is DGC at
   ``sample_ratio=1``: the same outputs and state bit for bit over two steps,
-  from a program with no ``while`` or ``conditional`` (XLA:GPU reads their
-  predicates on the host)."""
+  from a program with no more ``while`` loops or conditionals than that one's
+  (XLA:GPU reads their predicates on the host)."""
   params = {"big": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}
   grads = [{"big": jax.random.normal(jax.random.key(s), (8, 64, 64)),
             "b": jax.random.normal(jax.random.key(s + 10), (8, 64))} for s in (1, 2)]

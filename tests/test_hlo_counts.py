@@ -98,7 +98,8 @@ def test_an_in_place_update_outside_a_fusion_moves_the_update_only(x):
 
 
 def _update_of_read_span(start):
-  """A span of ``v`` replaced by ``where(keep, 2 v, v)`` over it, read and written at ``start``."""
+  """A span of ``v`` replaced by ``where(keep, 2 v + 1, v)`` over it, read and written at
+  ``start``."""
   def fn(v, keep):
     at = (start(),)
     old = lax.dynamic_slice(v, at, (N // 8,))
