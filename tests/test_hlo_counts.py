@@ -57,15 +57,17 @@ def test_splitting_into_parts_is_one_read_and_one_write(x):
 def test_a_slice_of_a_concatenation_reads_at_most_the_slice(x):
   """A slice of a concatenation inside a fusion is computed on the slice: each operand
   reads at most the slice (here a's eighth is read; b's bound, another eighth, is
-  counted too), not all of it."""
+  counted too), not all of it. The slice is written in place into a buffer of n, so
+  the fusion's output does not bound what it reads."""
   a, b = x[: N // 2] + 0, x[N // 2:] + 0
 
-  def fn(a, b):
-    return (jnp.concatenate([a, b]) + 1)[N // 8: N // 4] * 3
+  def fn(buffer, a, b):
+    span = (jnp.concatenate([a, b]) + 1)[N // 8: N // 4] * 3
+    return lax.dynamic_update_slice(buffer, span, (N // 2,))
 
-  text = jax.jit(fn).lower(a, b).compile().as_text()
+  text = jax.jit(fn, donate_argnums=0).lower(jnp.zeros(N), a, b).compile().as_text()
   assert "concatenate(" in text  # the slice was not moved onto an operand
-  chex.assert_trees_all_close(hlo_counts.count(text, N).passes, 3 / 8)
+  chex.assert_trees_all_close(hlo_counts.count(text, N).passes, 3 / 8, atol=1e-3)
 
 
 def test_a_block_scale_read_through_slices_counts_its_share(x):
