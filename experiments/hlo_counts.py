@@ -146,6 +146,7 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
     for operand in inner.operands:
       users.setdefault(operand, []).append(inner)
   params = {_parameter_index(p): p for p in fused if p.op == "parameter"}
+  fused_shapes = {inner.name: inner.shape for inner in fused}
   root = fused[-1] if fused else None
   in_place = root.operands[0] if root is not None and root.op in _IN_PLACE else None
   # A loop fusion that reduces (a row of packed mask bits per output word)
@@ -162,7 +163,8 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
       at_write = [u for u in uses if u is not root]
       if not at_write:
         continue  # updated in place: only the update moves
-      if reads_at_write and all(_reads_where_written(u, root, fused) for u in at_write):
+      if reads_at_write and all(_reads_where_written(u, root, fused_shapes)
+                                for u in at_write):
         total += sum(_bytes(u.shape) for u in at_write)
         continue
     read = min(full, _read(param, users, full)) if param is not None else full
@@ -170,16 +172,14 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
       read = min(read, out_elements * _itemsize(operand_shapes.get(operand, "")))
     total += read
   if in_place is not None:
-    shapes = {inner.name: inner.shape for inner in fused}
-    return total + sum(_bytes(shapes.get(o, "")) for o in root.operands[1:])
+    return total + sum(_bytes(fused_shapes.get(o, "")) for o in root.operands[1:])
   return total + _bytes(instruction.shape)
 
 
-def _reads_where_written(read: _Instruction, write: _Instruction,
-                         fused: list[_Instruction]) -> bool:
+def _reads_where_written(read: _Instruction, write: _Instruction, shapes: dict) -> bool:
   """Whether ``read`` is a ``dynamic-slice`` of the span that the root
-  ``dynamic-update-slice`` ``write`` writes: its buffer, start and shape."""
-  shapes = {inner.name: inner.shape for inner in fused}
+  ``dynamic-update-slice`` ``write`` writes: its buffer, start and shape
+  (``shapes``: the fusion's instructions' shapes by name)."""
   return (read.op == "dynamic-slice" and read.operands[0] == write.operands[0]
           and read.operands[1:] == write.operands[2:]
           and read.shape == shapes.get(write.operands[1]))
