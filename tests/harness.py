@@ -6,6 +6,7 @@ the library to it exactly (bit for bit wherever the summation order cannot
 matter, which the tests arrange with integer-valued or power-of-two data).
 """
 
+import collections
 import functools
 
 import chex
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 import numpy as np
 
+from experiments import hlo_counts
 from jaxcomp import collectives
 from jaxcomp import protocol
 from jaxcomp import training
@@ -148,6 +150,13 @@ def one_step_of_normal_gradients(tx, params, seed):
   rows = state_rows(tx, new_state, params)
   stacked = lambda tree: np.stack([flat(tree, device) for device in range(8)])
   return stacked(grads), flat(out, 0), stacked(rows.residual)
+
+
+def control_flow(compiled_text: str) -> collections.Counter:
+  """The ``while`` loops and conditionals of a compiled program, nested ones included."""
+  return collections.Counter(
+      i.op for body in hlo_counts.computations(compiled_text).values()
+      for i in body if i.op in ("while", "conditional"))
 
 
 def assert_same_on_devices(out):

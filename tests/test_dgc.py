@@ -1,6 +1,5 @@
 """Deep Gradient Compression on 8 fake CPU devices: each of its five parts."""
 
-import collections
 from fractions import Fraction
 import math
 
@@ -372,10 +371,7 @@ def test_gpu_tuning_selects_with_top_k_without_a_loop_or_a_branch(mesh8, monkeyp
   def run(tx):
     state = training.init_state(tx, params, mesh8, "data")
     step = harness.step_fn(tx, mesh8)
-    control = collections.Counter(
-        i.op for body in hlo_counts.computations(
-            step.lower(grads[0], state).compile().as_text()).values()
-        for i in body if i.op in ("while", "conditional"))
+    control = harness.control_flow(step.lower(grads[0], state).compile().as_text())
     for g in grads:
       out, state = jax.block_until_ready(step(g, state))
     return jax.tree.leaves((out, state)), control
