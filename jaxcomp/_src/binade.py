@@ -9,6 +9,13 @@ division by it (XLA may rewrite a division by a broadcast value as a
 product with its reciprocal, which underflows to zero, flushed, for a norm
 above ``2**126``), and QSGD's and DGC's norms of gradients whose squares
 overflow come from the rescaled gradient (:func:`unit_norm`).
+
+Those norms, and signSGD's scale, take the costlier route under a
+``lax.cond`` on every backend, so that it runs only for the rare input that
+needs it. XLA:GPU reads such a predicate on the host, yet on an H200 the
+branch-free form (both routes computed, one picked by ``jnp.where``) was the
+slower one: signSGD 1.3-1.5 ms a step against 2.0-2.1, QSGD 1.4-1.5 against
+2.1-2.2 (ResNet-50's gradient, one bucket, two runs of each).
 """
 
 from __future__ import annotations
