@@ -5,6 +5,8 @@
   :func:`per_device` for a hand-written ``shard_map``).
 * Steps: :func:`make_step` (a jitted ``shard_map`` step that skips non-finite
   steps on every device alike), :func:`make_update`, :func:`make_pmap_step`.
+* Buckets in the order the backward pass makes the gradients:
+  :func:`backward_order`, :func:`with_bucket_order`.
 * FSDP: :func:`shard_params`, :func:`init_fsdp_state`, :func:`make_fsdp_step`.
 * Low-communication training (DiLoCo, Streaming DiLoCo): :func:`make_diloco_step`.
 * Checkpoints: :func:`save_checkpoint`, :func:`restore_checkpoint`.
@@ -35,6 +37,8 @@ from jaxcomp._src.steps import make_step as make_step
 from jaxcomp._src.steps import FormedStep as FormedStep
 from jaxcomp._src.steps import make_pmap_step as make_pmap_step
 from jaxcomp._src.steps import pmap_stack as pmap_stack
+from jaxcomp._src.backward import backward_order as backward_order
+from jaxcomp._src.protocol import with_bucket_order as with_bucket_order
 from jaxcomp._src.steps import init_pmap_state as init_pmap_state
 from jaxcomp._src.fsdp import shard_shapes as shard_shapes
 from jaxcomp._src.fsdp import shard_params as shard_params
@@ -58,6 +62,7 @@ from jaxcomp._src.large_batch import compile_batch_sizes as compile_batch_sizes
 from jaxcomp._src.large_batch import batch_scaled_learning_rate as batch_scaled_learning_rate
 
 __all__ = (
+    "backward_order",
     "batch_scaled_learning_rate",
     "batch_size_schedule",
     "BatchSizeSchedule",
@@ -102,4 +107,5 @@ __all__ = (
     "shard_shapes",
     "stack_per_device",
     "tile_per_device",
+    "with_bucket_order",
 )

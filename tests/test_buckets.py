@@ -518,3 +518,155 @@ def test_a_checkpoint_carries_each_bucket_s_factors(name, tmp_path):
     np.testing.assert_allclose(np.asarray(got).reshape(4, -1).mean(axis=0),
                                np.asarray(want).reshape(8, -1).mean(axis=0),
                                rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------- buckets in the order the loss makes gradients
+
+# The same MLP with its layers named last to first (l0 <-> l3, l1 <-> l2): the
+# tree runs from the last layer to the first, so its reverse, torch DDP's
+# order, starts with the first layer, whose gradient is made last.
+RENAMED = {k: f"l{len(WIDTHS) - 2 - int(k[1])}{k[2:]}" for k in KEYS}
+RENAMED_PARAMS = {RENAMED[k]: v for k, v in PARAMS.items()}
+RENAMED_KEYS = sorted(RENAMED_PARAMS)
+
+
+def renamed_loss_fn(params, batch):
+  return loss_fn({k: params[RENAMED[k]] for k in KEYS}, batch)
+
+
+def _in_original_positions(buckets):
+  """The buckets of a plan of :data:`RENAMED_PARAMS`, their leaves as positions in :data:`KEYS`."""
+  original = {v: k for k, v in RENAMED.items()}
+  return [protocol.Bucket(tuple(KEYS.index(original[RENAMED_KEYS[i]]) for i in b.leaves),
+                          b.shapes, b.dtypes) for b in buckets]
+
+
+def test_backward_order_reads_the_layers_not_the_keys():
+  """The MLP's gradients come last layer first, however the keys sort; through a
+  jitted loss, a rematerialised layer and an auxiliary output alike."""
+  want = tuple(RENAMED_KEYS.index(RENAMED[f"l{i}_{part}"])
+               for i in reversed(range(len(WIDTHS) - 1)) for part in ("b", "w"))
+  rewritten = {
+      "plain": (renamed_loss_fn, False),
+      "jit": (jax.jit(renamed_loss_fn), False),
+      "remat": (jax.checkpoint(renamed_loss_fn), False),
+      "aux": (lambda p, b: (renamed_loss_fn(p, b), {"x": b[0]}), True),
+  }
+  for what, (fn, has_aux) in rewritten.items():
+    got = training.backward_order(fn, RENAMED_PARAMS, _batch(1), has_aux=has_aux)
+    # Within a layer the bias's gradient and the weight's are both made from the
+    # layer's output gradient: either may come first, the layers may not.
+    assert [RENAMED_KEYS[i][:2] for i in got] == [RENAMED_KEYS[i][:2] for i in want], what
+    assert sorted(got) == list(range(len(KEYS))), what
+
+
+def test_backward_order_of_a_flax_transformer_runs_from_the_head_to_the_embeddings():
+  """Keys sorted by name put the blocks first and the embeddings last; the backward
+  pass makes the head's gradients first, then each block's, last block first, and
+  the embeddings' last."""
+  from experiments import models
+  model = models.char_transformer(layers=2, width=16, heads=2, context=8, vocab=32)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  order = [paths[i] for i in training.backward_order(model.loss, model.params, (tokens, tokens))]
+  assert sorted(order) == sorted(paths)
+  assert paths[0].startswith("['blocks'][0]") and paths[-1] == "['token']['embedding']"
+  assert {p.split("]")[0] for p in order[:2]} == {"['head'"}
+  blocks = [int(p[len("['blocks']["):].split("]")[0]) for p in order if p.startswith("['blocks']")]
+  assert blocks == sorted(blocks, reverse=True)
+  assert set(order[-2:]) == {"['position']['embedding']", "['token']['embedding']"}
+
+
+def test_backward_order_puts_an_unused_parameter_first():
+  params = {"a": jnp.ones((3, 2)), "b_unused": jnp.ones((4,)), "c": jnp.ones((5, 3))}
+
+  def loss(p, x):
+    return jnp.sum(jnp.tanh(x @ p["c"]) @ p["a"])
+
+  # "a" is the last layer, "c" the first; "b_unused" has a zero gradient, made by none.
+  assert training.backward_order(loss, params, jnp.ones((2, 5))) == (1, 0, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+       cap_kib=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_a_bucket_order_fills_the_buckets_in_that_order(sizes, cap_kib, seed):
+  """Each bucket is the next run of the order, closed by the leaf that brings it to
+  its limit, the layout's order kept within it."""
+  tree = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in sizes]
+  order = tuple(int(i) for i in np.random.default_rng(seed).permutation(len(sizes)))
+  cap_mb = cap_kib / 1024
+  buckets = protocol.plan(protocol.Bucket.of(tree), cap_mb, order)
+  start = 0
+  for index, b in enumerate(buckets):
+    run = order[start:start + len(b.leaves)]
+    start += len(b.leaves)
+    assert list(b.leaves) == sorted(run)
+    nbytes = [4 * sizes[i] for i in run]
+    limit = min(1.0, cap_mb) * 2**20 if index == 0 else cap_mb * 2**20
+    if index + 1 < len(buckets):
+      assert sum(nbytes) >= limit > sum(nbytes) - nbytes[-1]
+    else:
+      assert sum(nbytes) - nbytes[-1] < limit
+  assert start == len(sizes)
+
+
+def test_a_bad_bucket_order_is_refused_by_name():
+  tx = _build("topk", bucket_cap_mb=CAP_MB)
+  for bad in ([0, 0, 1], [1, 2], [-1, 0]):
+    with pytest.raises(ValueError, match="`order` must hold each position"):
+      training.with_bucket_order(tx, bad)
+  with pytest.raises(TypeError, match="`order` must be a sequence of ints"):
+    training.with_bucket_order(tx, [0.0, 1.0])
+  for not_a_compressor in (optax.sgd(0.1), optax.chain(tx, optax.sgd(0.1)),
+                           jaxcomp.hierarchical(tx, "ici", 2)):
+    with pytest.raises(TypeError, match="`tx` must be a compressor"):
+      training.with_bucket_order(not_a_compressor, range(len(KEYS)))
+  short = training.with_bucket_order(tx, range(len(KEYS) - 1))
+  with pytest.raises(ValueError, match=f"not an order of this tree's {len(KEYS)} leaves"):
+    short.init(PARAMS)
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_the_reverse_tree_order_given_is_the_default_bit_for_bit(name):
+  mesh = training.make_mesh(8)
+  results = []
+  for tx in (_build(name, bucket_cap_mb=CAP_MB),
+             training.with_bucket_order(_build(name, bucket_cap_mb=CAP_MB),
+                                        reversed(range(len(KEYS))))):
+    assert _plan(tx) == _plan(_build(name, bucket_cap_mb=CAP_MB))
+    update = training.make_update(tx, mesh, "data")
+    state = training.init_state(tx, PARAMS, mesh, "data")
+    out, state = jax.block_until_ready(
+        update(training.shard(harness.per_device_normal(PARAMS, 1), mesh, "data"), state))
+    results.append((out, state))
+  for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+    harness.assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "gtopk", "powersgd", "acpsgd"])
+def test_the_loss_s_order_pipelines_a_tree_that_runs_against_the_layers(name):
+  """Renamed so that the tree runs from the last layer to the first, DDP's reverse
+  order puts the first layer in the first bucket, and every exchange waits for its
+  gradient, made last; the order read off the loss gives the buckets of the model
+  named in layer order, and they are pipelined."""
+  mesh = training.make_mesh(8)
+  batch = training.shard(_batch(8), mesh, "data")
+  order = training.backward_order(renamed_loss_fn, RENAMED_PARAMS, _batch(1))
+  first = KEYS.index("l0_w")
+  for tx, pipelined in ((_build(name, bucket_cap_mb=CAP_MB), False),
+                        (training.with_bucket_order(_build(name, bucket_cap_mb=CAP_MB), order),
+                         True)):
+    chain = optax.chain(tx, optax.sgd(0.1))
+    step = training.make_step(renamed_loss_fn, chain, mesh, "data", donate=False)
+    state = training.init_state(chain, RENAMED_PARAMS, mesh, "data")
+    closed = jax.make_jaxpr(step)(RENAMED_PARAMS, state, batch)
+    buckets = _in_original_positions(_plan(tx, RENAMED_PARAMS))
+    if pipelined:
+      assert [sorted(b.leaves) for b in buckets] == [sorted(b.leaves) for b in _plan(
+          _build(name, bucket_cap_mb=CAP_MB))]
+      _assert_pipelined(closed, buckets)
+    else:
+      assert first in buckets[0].leaves
+      exchanges = [c for c in collective_ancestors(closed) if c[2]]
+      assert exchanges and all(first in leaves for _, _, leaves, _ in exchanges)

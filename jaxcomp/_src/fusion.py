@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import chex
 import jax
@@ -120,7 +120,8 @@ FIRST_BUCKET_MB = 1.0
 _MIB = 2**20
 
 
-def plan(bucket: Bucket, cap_mb: Optional[float]) -> tuple[Bucket, ...]:
+def plan(bucket: Bucket, cap_mb: Optional[float],
+         order: Optional[Sequence[int]] = None) -> tuple[Bucket, ...]:
   """``bucket``'s leaves cut into buckets of about ``cap_mb`` MiB, in the order a backward pass makes them.
 
   torch DDP's rule (``bucket_cap_mb``): leaves are taken in reverse tree
@@ -131,12 +132,26 @@ def plan(bucket: Bucket, cap_mb: Optional[float]) -> tuple[Bucket, ...]:
   bucket it joins. Within a bucket the leaves keep ``bucket``'s order (the
   method's layout). ``cap_mb=None`` or no leaf: ``(bucket,)``, one bucket.
 
+  ``order``: the tree positions of the leaves in the order their gradients
+  are made (:func:`jaxcomp.training.backward_order`), first made first, in
+  place of the reverse tree order: where the tree's order is not the layers'
+  (keys sorted by name), so that the first bucket holds the first gradients
+  made. It must hold every position of ``bucket``'s leaves.
+
   Returns:
-    The buckets in exchange order: the first holds the tree's last leaves.
+    The buckets in exchange order: the first holds the first gradients made.
   """
   if cap_mb is None or not bucket.leaves:
     return (bucket,)
-  by_position = sorted(range(len(bucket.leaves)), key=lambda j: bucket.leaves[j], reverse=True)
+  if order is None:
+    by_position = sorted(range(len(bucket.leaves)), key=lambda j: bucket.leaves[j], reverse=True)
+  else:
+    rank = {leaf: i for i, leaf in enumerate(order)}
+    missing = sorted(set(bucket.leaves) - set(rank))
+    if missing:
+      raise ValueError(f"the bucket order names no place for the leaves at tree positions"
+                       f" {missing}: it must hold every leaf's position once")
+    by_position = sorted(range(len(bucket.leaves)), key=lambda j: rank[bucket.leaves[j]])
   groups, current, filled = [], [], 0
   limit = min(FIRST_BUCKET_MB, cap_mb) * _MIB
   for j in by_position:

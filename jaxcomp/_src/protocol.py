@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import chex
@@ -270,6 +271,8 @@ class Spec:
       ``count`` in the state of type ``state`` and passes the step's form to
       ``update`` (:data:`FORM`).
     state: the type of the compressor's state (inside a wrapper's state).
+    method: the :class:`Method` a compressor was made from (``None`` for a
+      wrapper).
   """
 
   name: str
@@ -279,6 +282,7 @@ class Spec:
   fused: Optional["Fused"] = None
   form: Optional[Callable[[int], int]] = None
   state: Optional[type] = None
+  method: Optional["Method"] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +394,9 @@ class Method:
       residual stays ``f32[bucket.size]``, and the mean too.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
+    bucket_order: ``None`` (reverse tree order) or the tree positions of the
+      leaves in the order their gradients are made, which fills the buckets
+      (:func:`jaxcomp.protocol.plan`; set by :func:`with_bucket_order`).
     bucket_cap_mb: ``None`` (one bucket) or the MiB of gradient per bucket
       (:func:`jaxcomp.protocol.plan`); ``step`` then runs once per bucket,
       ``ctx.bucket`` that bucket, ``ctx.key`` derived with its index as the
@@ -425,6 +432,7 @@ class Method:
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
   form: Optional[Callable[[Any], Any]] = None
+  bucket_order: Optional[tuple[int, ...]] = None
 
 
 # The keyword of ``update`` that carries a step's form picked on the host
@@ -498,7 +506,13 @@ def compressor(method: Method) -> optax.GradientTransformation:
   sized = (("residual",) if method.error_feedback else ()) + tuple(method.bucket_fields)
 
   def plan(tree: chex.ArrayTree) -> tuple[fusion.Bucket, ...]:
-    return fusion.plan(method.layout(tree), method.bucket_cap_mb)
+    order, count = method.bucket_order, len(jax.tree.leaves(tree))
+    if order is not None and len(order) != count:
+      raise ValueError(
+          f"the bucket order of {len(order)} positions is not an order of this tree's"
+          f" {count} leaves: it must hold each position 0..{count - 1} once"
+          " (jaxcomp.training.backward_order of the loss on these parameters)")
+    return fusion.plan(method.layout(tree), method.bucket_cap_mb, order)
 
   def init_fn(params: optax.Params):
     if not fields:
@@ -674,7 +688,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
                fused=Fused(method.layout, plan, fused_update, method.propagates_nonfinite,
                            method.message),
                form=None if method.form is None else lambda count: int(method.form(count)),
-               state=method.state)
+               state=method.state, method=method)
 
   def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None,
                 **extra_args):
@@ -698,6 +712,43 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
   attach_spec(update_fn, spec_)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def with_bucket_order(tx: optax.GradientTransformation,
+                      order: Sequence[int]) -> optax.GradientTransformation:
+  """The compressor ``tx`` with its buckets filled in ``order``, not in reverse tree order.
+
+  Buckets are filled in the order a backward pass makes the gradients, so
+  that the first exchange waits only for the first gradients made. The tree
+  order is that order reversed only where the parameters' keys sort like the
+  layers; a model whose keys do not (a stem, embeddings, ``Dense_10`` before
+  ``Dense_2``) would put a gradient made last in the first bucket, and every
+  exchange would wait for the whole backward pass. ``order`` is
+  :func:`jaxcomp.training.backward_order` of the loss: the parameters' tree
+  positions, first made first.
+
+  Args:
+    tx: a compressor made by :func:`compressor` (every jaxcomp method), with
+      ``bucket_cap_mb`` (without it, one bucket: the order changes nothing).
+    order: each tree position of the parameters once (checked against the
+      tree at ``init`` and ``update``).
+
+  Returns:
+    The same compressor (the same configuration, state type and math) with
+    the new plan; its state is laid out by that plan: build it from the
+    returned transformation (:func:`jaxcomp.training.init_state`).
+  """
+  found = spec(tx)
+  if found is None or found.method is None:
+    raise TypeError("`tx` must be a compressor made by jaxcomp.protocol.compressor (any jaxcomp"
+                    f" method, not a chain or a wrapper), got {type(tx).__name__}")
+  try:
+    order = tuple(operator.index(i) for i in order)
+  except TypeError:
+    raise TypeError(f"`order` must be a sequence of ints (tree positions), got {order!r}") from None
+  if sorted(order) != list(range(len(order))):
+    raise ValueError(f"`order` must hold each position 0..{len(order) - 1} once, got {order}")
+  return compressor(dataclasses.replace(found.method, bucket_order=order))
 
 
 def as_tree(tx: Any, value: Any, params: optax.Params) -> optax.Params:
