@@ -31,6 +31,7 @@ from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import backward
 
 import harness
 
@@ -319,17 +320,6 @@ def loss_fn(params, batch):
   return jnp.mean((x - y) ** 2)
 
 
-def _sub_jaxprs(eqn):
-  found = []
-  for value in eqn.params.values():
-    for item in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(item, jex_core.ClosedJaxpr):
-        found.append(item.jaxpr)
-      elif isinstance(item, jex_core.Jaxpr):
-        found.append(item)
-  return found
-
-
 def collective_ancestors(closed):
   """Every collective of a (closed) jaxpr, nested ones included, with its ancestors:
   ``[(id, primitive, leaves, collectives)]``, ``leaves`` the positions (in
@@ -351,7 +341,7 @@ def collective_ancestors(closed):
       ins = [read(v) for v in eqn.invars]
       joined = frozenset().union(*ins)
       name = eqn.primitive.name
-      subs = _sub_jaxprs(eqn)
+      subs = backward.sub_jaxprs(eqn)
       if name == "reduce_precision" and eqn.params["mantissa_bits"] >= FIRST_BITS:
         out = joined | {eqn.params["mantissa_bits"] - FIRST_BITS}
         outs = [out] * len(eqn.outvars)

@@ -19,9 +19,9 @@ from jax.extend import core as jex_core
 import optax
 
 
-def _sub_jaxpr(eqn) -> Any:
-  """The one jaxpr an equation calls with its operands and results one for one
-  (``pjit``, ``closed_call``, ``remat``...), or ``None`` (a loop, a branch, none)."""
+def sub_jaxprs(eqn) -> list:
+  """The jaxprs an equation's parameters hold (a call's body, a branch, a loop's
+  condition and body), each as a ``Jaxpr``."""
   found = []
   for value in eqn.params.values():
     for item in value if isinstance(value, (tuple, list)) else (value,):
@@ -29,6 +29,13 @@ def _sub_jaxpr(eqn) -> Any:
         found.append(item.jaxpr)
       elif isinstance(item, jex_core.Jaxpr):
         found.append(item)
+  return found
+
+
+def _sub_jaxpr(eqn) -> Any:
+  """The one jaxpr an equation calls with its operands and results one for one
+  (``pjit``, ``closed_call``, ``remat``...), or ``None`` (a loop, a branch, none)."""
+  found = sub_jaxprs(eqn)
   if len(found) == 1 and len(found[0].outvars) == len(eqn.outvars) \
       and len(found[0].invars) == len(eqn.invars):
     return found[0]
