@@ -37,9 +37,9 @@ from jaxcomp._src.steps import make_step as make_step
 from jaxcomp._src.steps import FormedStep as FormedStep
 from jaxcomp._src.steps import make_pmap_step as make_pmap_step
 from jaxcomp._src.steps import pmap_stack as pmap_stack
+from jaxcomp._src.steps import init_pmap_state as init_pmap_state
 from jaxcomp._src.backward import backward_order as backward_order
 from jaxcomp._src.protocol import with_bucket_order as with_bucket_order
-from jaxcomp._src.steps import init_pmap_state as init_pmap_state
 from jaxcomp._src.fsdp import shard_shapes as shard_shapes
 from jaxcomp._src.fsdp import shard_params as shard_params
 from jaxcomp._src.fsdp import gather_params as gather_params

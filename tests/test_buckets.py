@@ -8,9 +8,11 @@ FSDP step, and through the hierarchy), bucket ``b``'s collectives depend on
 the gradients of buckets ``0..b`` only (the first layer's gradient, in the last
 bucket, is an ancestor of none of the earlier exchanges) and on the exchange of
 bucket ``b - 1``; a step with a non-finite value in one bucket skips every
-bucket's state; a plan of one bucket gives the bits of no buckets. The
-contract suite (``test_contract.py``) runs bucketed variants through every
-other check.
+bucket's state; a plan of one bucket gives the bits of no buckets; the order
+read off the loss (``training.backward_order``, ``training.with_bucket_order``)
+fills the buckets of a tree whose keys run against the layers so that they are
+pipelined too. The contract suite (``test_contract.py``) runs bucketed variants
+through every other check.
 """
 
 import collections

@@ -73,8 +73,8 @@ def backward_order(loss_fn: Callable[..., Any], params: optax.Params, *args: Any
   Traced once (``jax.make_jaxpr``, nothing runs): each gradient's place is
   the equation of the program that makes it, nested calls (``jit``,
   ``remat``) followed; a gradient made of constants alone (the zero of an
-  unused parameter) comes first; gradients made by one equation (a loop, a branch) come in
-  reverse tree order, torch DDP's. Hand the result to
+  unused parameter) comes first; gradients made by one equation (a loop, a
+  branch) come in reverse tree order, torch DDP's. Hand the result to
   :func:`jaxcomp.training.with_bucket_order`::
 
     order = training.backward_order(loss_fn, params, batch)
