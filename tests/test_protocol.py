@@ -1,5 +1,6 @@
 """The shared path: a method written the way a newcomer would, the Spec search, the channel."""
 
+import dataclasses
 from typing import NamedTuple
 
 import chex
@@ -97,6 +98,71 @@ def test_a_residual_given_as_a_function_is_the_same_on_every_path():
       run.append((out, state))
     results.append(jax.tree.map(np.asarray, run))
   chex.assert_trees_all_equal(*results)
+
+
+RUN_PARAMS = {"a": jnp.zeros((3, 5)), "b": jnp.zeros((4,)), "c": jnp.zeros((2, 2, 3)),
+              "d": jnp.zeros((7,))}
+
+
+def half_in_runs(axis_name, runs, seen, bucket_cap_mb=None):
+  """``half``, reading the corrected gradient in runs of leaves; records each run's length."""
+
+  def step(ctx, corrected, state):
+    del state
+    seen.append((ctx.bucket, tuple(c.shape for c in corrected)))
+    flat = fusion.concat(list(corrected))
+    sent = flat / 2
+    return protocol.Output(mean=ctx.mean(sent), residual=flat - sent)
+
+  return protocol.compressor(protocol.Method(
+      name="half", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
+      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+      error_feedback=True, runs=runs, bucket_cap_mb=bucket_cap_mb))
+
+
+@pytest.mark.parametrize("cap", [None, 3e-5], ids=["one_bucket", "two_buckets"])
+def test_a_method_in_runs_gets_each_run_corrected_with_the_same_bits(cap):
+  """Runs of leaves (an empty one too) reach ``step`` as one array each, end to end the
+  bucket, with their spans of the residual added: outputs and state bit for bit those of
+  the whole bucket, over a kept step, a skipped one (a NaN on one device) and a kept one."""
+  mesh = training.make_mesh(8)
+  rng = np.random.default_rng(5)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
+                          RUN_PARAMS) for _ in range(3)]
+  batches[1]["c"][6, 1, 0, 2] = np.nan
+  seen = []
+  results = []
+  for tx in (protocol.compressor(dataclasses.replace(protocol.spec(half("data")).method,
+                                                     bucket_cap_mb=cap)),
+             half_in_runs("data", lambda b: (0, 1, len(b.leaves) - 1), seen, cap)):
+    state = training.init_state(tx, RUN_PARAMS, mesh, "data")
+    update = training.make_update(tx, mesh, "data")
+    run = []
+    for grads in batches:
+      out, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+      run.append((out, state))
+    results.append(jax.tree.map(np.asarray, run))
+  chex.assert_trees_all_equal(*results)
+  assert not np.isfinite(results[1][1][0]["c"]).all()
+  buckets = {bucket for bucket, _ in seen}
+  assert len(buckets) == (1 if cap is None else 2)
+  for bucket, shapes in seen:
+    assert shapes == ((0,), (bucket.sizes[0],), (sum(bucket.sizes[1:]),))
+
+
+def test_runs_are_checked():
+  def method(**fields):
+    return protocol.Method(
+        name="bad", config={}, axes=("data",), state=HalfState,
+        step=lambda ctx, c, s: protocol.Output(mean=c), wire=lambda b, s, t: (),
+        error_feedback=True, runs=lambda bucket: (1, 1), **fields)
+
+  with pytest.raises(ValueError, match="neither `prepare` nor `flat_length`"):
+    protocol.compressor(method(prepare=lambda ctx, g, s: (g, None)))
+  with pytest.raises(ValueError, match="neither `prepare` nor `flat_length`"):
+    protocol.compressor(method(flat_length=lambda bucket, p: bucket.size))
+  with pytest.raises(ValueError, match=r"runs \(1, 1\) must cut the bucket's 4 leaves"):
+    harness.one_step_of_normal_gradients(protocol.compressor(method()), RUN_PARAMS, 0)
 
 
 def _reads_of_old_residual(tx) -> int:
