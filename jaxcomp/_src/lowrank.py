@@ -432,11 +432,11 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _residual(matrices: list[jax.Array], p_factors: list[jax.Array],
+def _residual(runs: tuple[jax.Array, ...], p_factors: list[jax.Array],
               q_factors: list[jax.Array]) -> fusion.Pieces:
-  """``M - P Q^T`` of each group of the corrected gradient's matrices (``view.matrices``;
-  ``P``, ``Q``: the groups' factors as sent), one piece per group written in place; the
-  dense leaves' residual stays (zero).
+  """``M - P Q^T`` of each group (``runs``: the corrected gradient as ``step`` received it,
+  one flat run per group, then the dense leaves'; ``P``, ``Q``: the groups' factors as
+  sent), one piece per group written in place; the dense leaves' residual stays (zero).
 
   Both methods hand it over as a function (:attr:`jaxcomp.protocol.Output.residual`),
   formed inside the branch that keeps the step on CPU: it reads the corrected
@@ -444,10 +444,14 @@ def _residual(matrices: list[jax.Array], p_factors: list[jax.Array],
   branch, XLA:CPU fuses the error feedback's addition into it again, and each
   group's concatenation of leaves, read by both, is then written out apart
   (PowerSGD on ResNet-50 at rank 4: 9.5 passes and 357 kernels, against 13.4
-  and 380 with the residual formed before the branch)."""
-  offsets = itertools.accumulate((m.size for m in matrices[:-1]), initial=0)
+  and 380). It takes the runs flat, as they were made: a group of one leaf
+  read as ``[1, rows, cols]`` here and as ``[rows, cols]`` by its products had
+  its addition computed twice (8.9 passes and 348 kernels, against 9.5 and 357).
+  """
+  products = _products(p_factors, q_factors)
+  offsets = itertools.accumulate((p.size for p in products[:-1]), initial=0)
   return fusion.Pieces(tuple(offsets), tuple(
-      m - s for m, s in zip(matrices, _products(p_factors, q_factors))))
+      run.reshape(p.shape) - p for run, p in zip(runs, products)))
 
 
 # -------------------------------------------------------------------- PowerSGD
@@ -591,7 +595,7 @@ def powersgd(
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=lambda: _residual(matrices, view.p_factors(p_flat), view.q_factors(local_q)),
+        residual=lambda: _residual(corrected, view.p_factors(p_flat), view.q_factors(local_q)),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -761,7 +765,7 @@ def acpsgd(
     new_q = jnp.where(even, state.q, view.uncolumns(ortho, "q"))
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
-        residual=lambda: _residual(matrices, view.p_factors(p_sent), view.q_factors(q_sent)),
+        residual=lambda: _residual(corrected, view.p_factors(p_sent), view.q_factors(q_sent)),
         state={"p": new_p, "q": new_q},
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]))
