@@ -150,6 +150,42 @@ def test_a_method_in_runs_gets_each_run_corrected_with_the_same_bits(cap):
     assert shapes == ((0,), (bucket.sizes[0],), (sum(bucket.sizes[1:]),))
 
 
+def first_entries(axis_name, runs=None):
+  """A toy sparsifier: entries 0 and 3 of the bucket sent exactly, the residual the rest
+  (:class:`protocol.Zeroed`); in ``runs`` of leaves when given."""
+
+  def step(ctx, corrected, state):
+    del state
+    flat = fusion.concat(list(jax.tree.leaves(corrected)))
+    sent = jnp.zeros_like(flat).at[jnp.array([0, 3])].set(flat[jnp.array([0, 3])])
+    return protocol.Output(mean=ctx.mean(sent), residual=protocol.Zeroed(jnp.array([0, 3])))
+
+  return protocol.compressor(protocol.Method(
+      name="first", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
+      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+      error_feedback=True, runs=runs))
+
+
+def test_a_sparsifier_in_runs_keeps_what_it_did_not_send():
+  mesh = training.make_mesh(8)
+  rng = np.random.default_rng(6)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
+                          RUN_PARAMS) for _ in range(2)]
+  results = []
+  for tx in (first_entries("data"), first_entries("data", lambda b: (2, 0, 2))):
+    state = training.init_state(tx, RUN_PARAMS, mesh, "data")
+    update = training.make_update(tx, mesh, "data")
+    for grads in batches:
+      _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+    results.append(harness.state_rows(tx, state, RUN_PARAMS).residual)
+  chex.assert_trees_all_equal(*results)
+  # Entries 0 and 3 of leaf "a" were sent at both steps; the rest piled up.
+  residual = np.asarray(results[1]["a"]).reshape(8, -1)
+  np.testing.assert_array_equal(residual[:, [0, 3]], 0.0)
+  want = sum(b["a"] for b in batches).reshape(8, -1)
+  np.testing.assert_allclose(residual[:, [1, 2, 4]], want[:, [1, 2, 4]], rtol=1e-6)
+
+
 def test_runs_are_checked():
   def method(**fields):
     return protocol.Method(
