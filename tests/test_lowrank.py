@@ -3,6 +3,8 @@
 import functools
 
 import chex
+import hypothesis
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,10 +60,10 @@ def _gram_schmidt(a):
   return a
 
 
-def _factor(flat, path, which):
+def _factor(flat, path, which, params=PARAMS):
   """One leaf's factor out of a state's flat buffer, laid out by the matrix view."""
-  view = lowrank.MatrixView.of(PARAMS, RANK, 2.0)
-  paths = [_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(PARAMS)]
+  view = lowrank.MatrixView.of(params, RANK, 2.0)
+  paths = [_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
   factors = view.p_factors(flat) if which == "p" else view.q_factors(flat)
   in_bucket_order = [batch[j] for batch in factors for j in range(batch.shape[0])]
   k = view.lowrank.leaves.index(paths.index(path))
@@ -205,25 +207,57 @@ def test_per_entry_gives_every_entry_its_groups_value(factor, values):
   np.testing.assert_array_equal(view.per_entry(values, factor), expected)
 
 
-def test_powersgd_matches_numpy_oracle():
-  run = _run("powersgd", "1d")
+@hypothesis.settings(deadline=None, max_examples=30)
+@hypothesis.given(count=st.integers(1, 40))
+def test_a_shape_of_many_leaves_is_batched_eight_leaves_at_most(count):
+  """XLA:CPU fuses the concatenation of at most 8 leaves into the residual's addition."""
+  tree = [jax.ShapeDtypeStruct((16, 12), jnp.float32)] * count + [
+      jax.ShapeDtypeStruct((36, 8), jnp.float32), jax.ShapeDtypeStruct((12,), jnp.float32)]
+  view = lowrank.MatrixView.of(tree, RANK, 2.0)
+  counts = [g for g, rows, _ in view.groups if rows == 16]
+  assert sum(counts) == count and len(counts) == -(-count // 8)
+  assert max(counts) <= 8 and max(counts) - min(counts) <= 1
+  assert view.groups[len(counts):] == ((1, 36, 8),)
+  assert view.runs == tuple(counts) + (1, 1)
+  assert view.lowrank.leaves == tuple(range(count + 1))
+
+
+# Eleven leaves of one shape: two batches, of 6 and 5.
+DEEP = {**{f"layer{i:02d}": jnp.zeros((16, 12)) for i in range(11)},
+        "conv": jnp.zeros((3, 3, 4, 8)), "bias": jnp.zeros((12,))}
+# params, compressed leaves, dense leaves
+ORACLE_CASES = {
+    "shallow": (PARAMS, COMPRESSED, ("dense.bias", "small")),
+    "deep": (DEEP, tuple(k for k in DEEP if k != "bias"), ("bias",)),
+}
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES)
+def test_powersgd_matches_numpy_oracle(case):
+  params, compressed, dense = ORACLE_CASES[case]
+  if params is PARAMS:
+    run = _run("powersgd", "1d")
+  else:
+    run = harness.run_two_steps(FACTORIES["powersgd"], params, *MESHES["1d"])
+    assert lowrank.MatrixView.of(params, RANK, 2.0).groups == (
+        (6, 16, 12), (5, 16, 12), (1, 36, 8))
   grads, state0 = _np(run["grads"][0]), run["rows"][0]
   out, state1 = run["outs"][0], run["rows"][1]
-  for path in COMPRESSED:
+  for path in compressed:
     m = [_matrix(_leaf(grads, path)[i]) for i in range(8)]
-    q = _factor(np.asarray(state0.q[0]), path, "q")
+    q = _factor(np.asarray(state0.q[0]), path, "q", params)
     p_hat = _gram_schmidt(np.mean([mi @ q for mi in m], axis=0))
     local_q = [mi.T @ p_hat for mi in m]
     q_mean = np.mean(local_q, axis=0)
     np.testing.assert_allclose(
         _matrix(np.asarray(_leaf(out, path)[0])), p_hat @ q_mean.T, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(_factor(np.asarray(state1.q[0]), path, "q"), q_mean,
+    np.testing.assert_allclose(_factor(np.asarray(state1.q[0]), path, "q", params), q_mean,
                                rtol=1e-4, atol=1e-5)
     for i in (0, 5):
       np.testing.assert_allclose(
           _matrix(np.asarray(_leaf(state1.residual, path)[i])), m[i] - p_hat @ local_q[i].T,
           rtol=1e-4, atol=1e-5)
-  for path in ("dense.bias", "small"):
+  for path in dense:
     np.testing.assert_allclose(np.asarray(_leaf(out, path)[0]),
                                _leaf(grads, path).mean(axis=0), rtol=1e-6, atol=1e-6)
     assert not np.asarray(_leaf(state1.residual, path)).any()
