@@ -80,6 +80,31 @@ def test_inverse_of_sparse_coefficients_sums_their_basis_rows(devices, chunks, c
   np.testing.assert_allclose(np.asarray(got).reshape(chunks, chunk), want, rtol=1e-4, atol=1e-4)
 
 
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.example(devices=2, chunk=8, share=0.0, cuts=[3, 5, 8, 21], seed=0)  # rows
+@hypothesis.example(devices=3, chunk=8, share=0.5, cuts=[7, 9], seed=1)  # product
+@hypothesis.given(devices=st.integers(1, 3), chunk=st.integers(1, 40), share=st.floats(0.0, 1.0),
+                  cuts=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+                  seed=st.integers(0, 2**16))
+def test_inverse_per_leaf_cuts_the_inverse_into_the_leaves(devices, chunk, share, cuts, seed):
+  """Leaves of any sizes, across chunk boundaries or inside one chunk: each its own
+  piece of the whole inverse (the last chunk's padding left out)."""
+  k = max(1, round(share * chunk))
+  n = sum(cuts)
+  chunks = -(-n // chunk)
+  rng = np.random.default_rng(seed)
+  values = rng.normal(size=(devices, chunks, k)).astype(np.float32)
+  positions = np.stack([np.stack([rng.permutation(chunk)[:k] for _ in range(chunks)])
+                        for _ in range(devices)]).astype(np.uint8)
+  inverse = rng.normal(size=(chunk, chunk)).astype(np.float32)
+  args = jnp.asarray(values), jnp.asarray(positions), jnp.asarray(inverse)
+  pieces = demo.inverse_per_leaf(*args, cuts)
+  assert [p.shape for p in pieces] == [(c,) for c in cuts]
+  # The same products summed in the same order (up to XLA's contraction into FMAs).
+  np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in pieces]),
+                             np.asarray(demo.inverse_of_sparse(*args))[:n], rtol=1e-6, atol=1e-6)
+
+
 def test_message_bytes_follow_the_formula():
   # 53 entries in chunks of 16: 4 chunks, k = 4 each, 5 bytes per coefficient.
   assert demo.message_bytes(53, 16, 0.25) == 4 * 4 * 5

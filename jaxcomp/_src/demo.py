@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import itertools
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,35 @@ def inverse_of_sparse(values: jax.Array, positions: jax.Array, inverse: jax.Arra
   return sum(terms[1:], terms[0]).reshape(-1)
 
 
+def inverse_per_leaf(values: jax.Array, positions: jax.Array, inverse: jax.Array,
+                     sizes: Sequence[int]) -> list[jax.Array]:
+  """:func:`inverse_of_sparse` cut into consecutive pieces of ``sizes`` entries (a bucket's
+  leaves, ``f32[size]`` each), the same values.
+
+  With few terms each piece is its own sum of rows over the chunks it
+  touches: one kernel per leaf that reads its chunks' coefficients and writes
+  the leaf, where the whole bucket's inverse would be written once and read
+  again by each leaf's slice (2 passes over the gradient more). With many,
+  the whole product is sliced.
+  """
+  chunk = inverse.shape[0]
+  chunks, k = values.shape[-2:]
+  if values.size // chunks * _SUM_SHARE > chunk:
+    flat = inverse_of_sparse(values, positions, inverse)
+    return [flat[start:start + size] for start, size in zip(_starts(sizes), sizes)]
+  pieces = []
+  for start, size in zip(_starts(sizes), sizes):
+    first, stop = start // chunk, -(-(start + size) // chunk)
+    inverted = inverse_of_sparse(values[..., first:stop, :], positions[..., first:stop, :],
+                                 inverse)
+    pieces.append(inverted[start - first * chunk:start - first * chunk + size])
+  return pieces
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+  return list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
+
+
 def message_bytes(n: int, chunk_size: int, density: float) -> int:
   """Bytes of one device's message for ``n`` entries: per chunk, ``k`` f32 coefficients and
   ``k`` uint8 positions."""
@@ -149,7 +179,7 @@ def demo(
     values = ctx.send(coefficients)
     gathered_values, gathered_positions = collectives.allgather(values, ctx.axes), ctx.allgather(
         positions.astype(jnp.uint8))
-    mean = inverse_of_sparse(gathered_values, gathered_positions, inverse)[:n]
+    mean = inverse_per_leaf(gathered_values, gathered_positions, inverse, ctx.bucket.sizes)
 
     def kept():
       # From the padded chunks, not ``corrected``: no second buffer of it.
