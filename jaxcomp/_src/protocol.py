@@ -207,7 +207,9 @@ class Output(NamedTuple):
 
   Attributes:
     mean: the decoded mean, ``f32[bucket.size]`` in the bucket's order, or
-      one array per bucket leaf (any shape of the leaf's size).
+      one array per bucket leaf (any shape of the leaf's size), each of
+      which depends on every collective the step ran (the next bucket's
+      order token reads the first).
     residual: what stays behind: ``f32[bucket.size]``; or one array per
       bucket leaf (``None`` for a leaf whose residual stays as it is); or
       :class:`jaxcomp.protocol.Pieces`, the spans that change, written over
@@ -485,9 +487,14 @@ def _token(out: "Output") -> jax.Array:
   Added to the next bucket's payloads (:meth:`Context.ordered`), it makes
   every collective of that bucket follow every collective of this one: read
   from the witness and the message, or the mean (each depends on every
-  collective the step ran; one read per leaf, scalars fused into one kernel).
+  collective the step ran; one read per array, scalars fused into one
+  kernel). Of a mean given per leaf, the first leaf: a token of each of 161
+  leaves was 18 kernels a bucket on XLA:CPU (DeMo on ResNet-50 in 25 MiB
+  buckets: 300 kernels against 227).
   """
   decoded = out.mean if out.message is None else out.message
+  if isinstance(decoded, (list, tuple)):
+    decoded = decoded[0]  # each leaf of a mean given per leaf depends on every collective
   tokens = [collectives.order_token(x) for x in jax.tree.leaves((out.witness, decoded)) if x.size]
   return sum(tokens[1:], tokens[0])
 
