@@ -377,11 +377,11 @@ def _batch(devices):
           jnp.asarray(rng.normal(size=(4 * devices, WIDTHS[-1])), jnp.float32))
 
 
-def _assert_pipelined(closed, buckets, ordered=all):
+def _assert_pipelined(closed, buckets, every=True):
   """Bucket b's exchange: the collectives whose latest tagged gradient is in bucket
   b. Each bucket has one; none reads the first layer's gradient (in the last bucket)
   but the last; each collective of bucket b follows every one of bucket b - 1 (the
-  order token reads them all; with ``ordered=any``, one of bucket b's follows one
+  order token reads them all; with ``every=False``, one of bucket b's follows one
   of bucket b - 1's: the FSDP step's per-leaf reduce-scatters are autodiff's, not
   the compressor's)."""
   bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.leaves}
@@ -398,7 +398,7 @@ def _assert_pipelined(closed, buckets, ordered=all):
       assert not leaves & first_layer
   for b in range(1, len(buckets)):
     earlier = {ident for ident, *_ in groups[b - 1]}
-    if ordered is all:
+    if every:
       assert all(earlier <= before for *_, before in groups[b]), f"bucket {b} not after {b - 1}"
     else:
       assert any(before & earlier for *_, before in groups[b]), f"bucket {b} not after {b - 1}"
@@ -467,7 +467,7 @@ def test_the_fsdp_step_s_buckets_are_pipelined_too(name):
   closed = jax.make_jaxpr(step)(params, state, batch)
   buckets = protocol.spec(tx).fused.plan(training.shard_shapes(PARAMS, 4))
   assert len(buckets) == 3
-  _assert_pipelined(closed, buckets, ordered=any)
+  _assert_pipelined(closed, buckets, every=False)
   compiled = step.lower(params, state, batch).compile()
   read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
   assert read == wire.tally(training.fsdp_transfers(tx, PARAMS, dict(mesh.shape),
