@@ -26,6 +26,14 @@ class HalfState(NamedTuple):
   residual: optax.Params
 
 
+def toy(name, axis_name, step, **fields):
+  """A toy method with error feedback whose wire cost is a dense mean of the bucket."""
+  return protocol.compressor(protocol.Method(
+      name=name, config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
+      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+      error_feedback=True, **fields))
+
+
 def half(axis_name):
   """A toy method: every device sends half of its corrected gradient, densely."""
 
@@ -34,10 +42,7 @@ def half(axis_name):
     sent = corrected / 2
     return protocol.Output(mean=ctx.mean(sent), residual=corrected - sent)
 
-  return protocol.compressor(protocol.Method(
-      name="half", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
-      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
-      error_feedback=True))
+  return toy("half", axis_name, step)
 
 
 def _stacked(seed):
@@ -77,10 +82,7 @@ def lazy_half(axis_name):
     sent = corrected / 2
     return protocol.Output(mean=ctx.mean(sent), residual=lambda: corrected - sent)
 
-  return protocol.compressor(protocol.Method(
-      name="half", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
-      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
-      error_feedback=True))
+  return toy("half", axis_name, step)
 
 
 def test_a_residual_given_as_a_function_is_the_same_on_every_path():
@@ -114,10 +116,7 @@ def half_in_runs(axis_name, runs, seen, bucket_cap_mb=None):
     sent = flat / 2
     return protocol.Output(mean=ctx.mean(sent), residual=flat - sent)
 
-  return protocol.compressor(protocol.Method(
-      name="half", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
-      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
-      error_feedback=True, runs=runs, bucket_cap_mb=bucket_cap_mb))
+  return toy("half", axis_name, step, runs=runs, bucket_cap_mb=bucket_cap_mb)
 
 
 @pytest.mark.parametrize("cap", [None, 3e-5], ids=["one_bucket", "two_buckets"])
@@ -160,10 +159,7 @@ def first_entries(axis_name, runs=None):
     sent = jnp.zeros_like(flat).at[jnp.array([0, 3])].set(flat[jnp.array([0, 3])])
     return protocol.Output(mean=ctx.mean(sent), residual=protocol.Zeroed(jnp.array([0, 3])))
 
-  return protocol.compressor(protocol.Method(
-      name="first", config={"axis_name": axis_name}, axes=(axis_name,), state=HalfState,
-      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
-      error_feedback=True, runs=runs))
+  return toy("first", axis_name, step, runs=runs)
 
 
 def test_a_sparsifier_in_runs_keeps_what_it_did_not_send():

@@ -91,20 +91,17 @@ def inverse_per_leaf(values: jax.Array, positions: jax.Array, inverse: jax.Array
   """
   chunk = inverse.shape[0]
   chunks, k = values.shape[-2:]
+  spans = list(zip(itertools.accumulate(sizes, initial=0), sizes))  # (start, size)
   if values.size // chunks * _SUM_SHARE > chunk:
     flat = inverse_of_sparse(values, positions, inverse)
-    return [flat[start:start + size] for start, size in zip(_starts(sizes), sizes)]
+    return [flat[start:start + size] for start, size in spans]
   pieces = []
-  for start, size in zip(_starts(sizes), sizes):
+  for start, size in spans:
     first, stop = start // chunk, -(-(start + size) // chunk)
     inverted = inverse_of_sparse(values[..., first:stop, :], positions[..., first:stop, :],
                                  inverse)
     pieces.append(inverted[start - first * chunk:start - first * chunk + size])
   return pieces
-
-
-def _starts(sizes: Sequence[int]) -> list[int]:
-  return list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
 
 
 def message_bytes(n: int, chunk_size: int, density: float) -> int:
