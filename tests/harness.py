@@ -192,11 +192,17 @@ def random_indices_reference(key, n, k):
   if k == n:
     return np.arange(n, dtype=np.int32)
   drawn = np.asarray(draws.bits(key, k + 1)).astype(np.int64)
+  return rotated_strata_reference(drawn[:k], int(drawn[k] % n), n)
+
+
+def rotated_strata_reference(drawn, r, n):
+  """``k = len(drawn)`` strata of ``[0, n)``, position ``drawn[j] mod size_j`` in each,
+  all rotated by ``r`` and sorted, int32 (numpy's int64 arithmetic)."""
+  k = len(drawn)
   q, longer = divmod(n, k)
   sizes = np.array([q + 1] * longer + [q] * (k - longer), np.int64)
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-  r = int(drawn[k] % n)
-  return np.sort((starts + drawn[:k] % sizes + r) % n).astype(np.int32)
+  return np.sort((starts + np.asarray(drawn, np.int64) % sizes + r) % n).astype(np.int32)
 
 
 def step_draw_keys(seed, steps):

@@ -33,18 +33,25 @@ def _mix(x: jax.Array) -> jax.Array:
 
 
 def bits(key: jax.Array, n: int, stream=0) -> jax.Array:
-  """``uint32[n]``: entry ``i`` is ``mix(mix(i ^ w0) ^ w1)``.
+  """``uint32[n]``: entry ``i`` is ``mix(mix(i ^ w0) ^ w1)``, :func:`bits_at` of ``0, ..., n - 1``."""
+  return bits_at(key, lax.iota(jnp.uint32, n), stream)
+
+
+def bits_at(key: jax.Array, counters: jax.Array, stream=0) -> jax.Array:
+  """``uint32`` of ``counters``' shape: entry ``i`` of :func:`bits` for each counter ``i``.
 
   With ``d0, d1`` the key's first two data words and ``stream`` an int32
-  scalar ``>= 0`` (traced or not): ``w0 = mix(d0 ^ mix(0x9E3779B9 (stream +
-  1)))`` and ``w1 = mix(d1 ^ 0x85EBCA6B)`` (uint32 arithmetic), so that each
-  stream of one key draws its own values, and a key of zeros no zeros.
+  scalar ``>= 0`` (traced or not): ``mix(mix(i ^ w0) ^ w1)``, ``w0 = mix(d0 ^
+  mix(0x9E3779B9 (stream + 1)))`` and ``w1 = mix(d1 ^ 0x85EBCA6B)`` (uint32
+  arithmetic), so that each stream of one key draws its own values, and a key
+  of zeros no zeros. A few chosen entries are drawn without the ones before
+  them.
   """
   data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
   salt = jnp.uint32(0x9E3779B9) * (jnp.asarray(stream).astype(jnp.uint32) + jnp.uint32(1))
   first = _mix(data[0] ^ _mix(salt))
   second = _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
-  return _mix(_mix(lax.iota(jnp.uint32, n) ^ first) ^ second)
+  return _mix(_mix(jnp.asarray(counters).astype(jnp.uint32) ^ first) ^ second)
 
 
 def derive(key: jax.Array, stream=0) -> jax.Array:

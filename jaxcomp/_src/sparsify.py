@@ -9,7 +9,7 @@ What is not sent stays in the residual (error feedback, on the shared path).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -261,19 +261,41 @@ def random_indices(key: jax.Array, n: int, k: int) -> jax.Array:
   """
   if k == n:
     return jnp.arange(n, dtype=jnp.int32)
-  drawn = draws.bits(key, k + 1)
+  rotation = (draws.bits_at(key, k) % jnp.uint32(n)).astype(jnp.int32)
+  return _rotated_strata(lambda stratum: draws.bits_at(key, stratum), rotation, n, k)
+
+
+def _rotated_strata(draw: Callable[[jax.Array], jax.Array], rotation: jax.Array, n: int,
+                    k: int) -> jax.Array:
+  """:func:`random_indices` from ``draw`` (int32 strata to their uint32 draws) and ``r``.
+
+  Every entry is computed where it lands, in one elementwise pass over ``k``
+  (no sum over the strata and no roll, each a kernel of its own per bucket):
+  positions at or above ``t = n - r`` wrap to the front, and they are the
+  strata after the one holding ``t``, and that one if its position is at or
+  above ``t``; so that count is known from ``t`` and one stratum's draw.
+  """
   q, longer = divmod(n, k)
-  stratum = jnp.arange(k, dtype=jnp.int32)
-  start = stratum * q + jnp.minimum(stratum, longer)
-  size = q + (stratum < longer).astype(jnp.int32)
-  position = start + (drawn[:k] % size.astype(jnp.uint32)).astype(jnp.int32)
-  r = (drawn[k] % jnp.uint32(n)).astype(jnp.int32)
-  # position + r may pass 2**31; position - (n - r) stays in [-n, n).
-  shifted = position - (n - r)
-  wrapped = shifted >= 0
-  # The positions that wrap are the last strata and land below r: rolling
-  # them to the front sorts the indices without a sort.
-  return jnp.roll(jnp.where(wrapped, shifted, shifted + n), jnp.sum(wrapped, dtype=jnp.int32))
+
+  def position(stratum):
+    start = stratum * q + jnp.minimum(stratum, longer)
+    size = q + (stratum < longer).astype(jnp.int32)
+    return start + (draw(stratum) % size.astype(jnp.uint32)).astype(jnp.int32)
+
+  threshold = n - rotation  # in [1, n]; position + r may pass 2**31, position - t may not
+  # The stratum holding t, k when t == n. Truncating divisions of non-negative ints: a
+  # floor division is three kernels of its own on scalars.
+  holder = lax.div(threshold, jnp.int32(q))
+  if longer:
+    longer_end = longer * (q + 1)
+    holder = jnp.where(threshold < longer_end, lax.div(threshold, jnp.int32(q + 1)),
+                       longer + lax.div(jnp.maximum(threshold - longer_end, 0), jnp.int32(q)))
+  held = position(jnp.minimum(holder, k - 1)) >= threshold
+  wrapped = jnp.where(holder < k, k - 1 - holder + held.astype(jnp.int32), 0)
+  slot = lax.iota(jnp.int32, k)
+  stratum = jnp.where(slot >= wrapped, slot - wrapped, slot - wrapped + k)
+  shifted = position(stratum) - threshold
+  return jnp.where(shifted >= 0, shifted, shifted + n)
 
 
 def randomk(
