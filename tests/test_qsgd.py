@@ -70,6 +70,18 @@ def test_levels_round_the_share_of_the_norm_at_any_scale(magnitude):
   assert (np.sign(got[got != 0]) == np.sign(x[got != 0])).all()
 
 
+@pytest.mark.parametrize("overflowing", [0, 3, 6])
+def test_one_block_whose_squares_overflow_takes_every_norm_to_the_scaled_route(overflowing):
+  """One block of entries near 4e37 (its squares overflow) among blocks of ordinary
+  entries, wherever it lies: every norm is right, the large one not ``inf``."""
+  block = 64
+  x = np.random.default_rng(1).normal(size=(7, block)).astype(np.float32)
+  x[overflowing] = np.float32(4e37) * np.sign(x[overflowing])
+  norms = np.asarray(jax.jit(qsgd._norms)(x), np.float64)
+  np.testing.assert_allclose(norms, np.sqrt((x.astype(np.float64) ** 2).sum(axis=1)),
+                             rtol=1e-5)
+
+
 def test_gradients_near_the_largest_norm_give_their_mean():
   """Entries of 4e37 in blocks of 64 (norm 3.2e38, just inside f32): the mean is the
   gradient within QSGD's rounding, on both hops, not an overflowed level nor a zero

@@ -36,8 +36,15 @@ class QSGDState(NamedTuple):
 
 
 def _norms(blocks: jax.Array) -> jax.Array:
-  """The L2 norm of each row; rows whose squares overflow are brought to their largest
-  entry's unit binade first (:func:`jaxcomp._src.binade.unit_factor`, exact).
+  """The L2 norm of each row; where a row's squares overflow, every row is brought to its
+  largest entry's unit binade first (:func:`jaxcomp._src.binade.unit_factor`, exact).
+
+  The test is that the norms' sum is finite: it is exactly when each norm is,
+  since a finite norm is below ``sqrt(3.4e38) = 1.8e19`` and fewer than
+  ``2**31`` of them cannot add up past f32's largest. One sum of the ``m``
+  norms is one small kernel, where a test of each norm followed by an ``all``
+  is three (XLA:CPU cuts a long ``all`` into a tree of windows), per hop and
+  per gradient bucket.
 
   A row holding a NaN or an infinity has a non-finite norm on either path
   (its squares' sum, or the sum of the scaled squares, is NaN or ``inf``
@@ -54,7 +61,7 @@ def _norms(blocks: jax.Array) -> jax.Array:
     return norm / unit
 
   # A branch on GPU too: faster there than both routes (see jaxcomp._src.binade).
-  return lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, scaled)
+  return lax.cond(jnp.isfinite(jnp.sum(plain)), lambda: plain, scaled)
 
 
 def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0):
