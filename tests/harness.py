@@ -271,10 +271,11 @@ def sparse_allgather_reference(values, indices):
 
 
 def densify_reference(values, indices, n):
-  """The spec of ``collectives.densify``: scatter-add in row order, empty slots dropped."""
+  """The spec of ``collectives.densify``: scatter-add in row order, empty slots and
+  indices outside ``[0, n)`` dropped."""
   dense = np.zeros(n, np.float32)
   for v, i in zip(np.asarray(values, np.float32).reshape(-1), np.asarray(indices).reshape(-1)):
-    if i != EMPTY:
+    if 0 <= i < n:
       dense[i] = np.float32(dense[i] + v)
   return dense
 

@@ -233,6 +233,15 @@ def test_densify_equals_its_oracle():
   harness.assert_bitwise_equal(got, want)
 
 
+def test_densify_drops_an_index_outside_the_vector():
+  """A negative index is dropped like one past the end, not counted from the end."""
+  values = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+  indices = np.array([-1, 4, 2, -4], np.int32)
+  got = np.asarray(collectives.densify(jnp.asarray(values), jnp.asarray(indices), 4))
+  np.testing.assert_array_equal(got, [0.0, 0.0, 4.0, 0.0])
+  harness.assert_bitwise_equal(got, harness.densify_reference(values, indices, 4))
+
+
 def test_unbound_axis_is_a_clear_error():
   with pytest.raises(ValueError, match="`axis_name` 'nope' is not a bound mesh axis"):
     jax.jit(lambda x: collectives.mean(x, "nope")).lower(jnp.ones(3))

@@ -335,9 +335,11 @@ def _fit_capacity(values, indices, k):
 def densify(values: jax.Array, indices: jax.Array, n: int) -> jax.Array:
   """Scatter-adds sparse entries (any leading shape) into a dense ``[n]`` f32 vector.
 
-  Empty slots (``EMPTY_INDEX``) are dropped.
+  Empty slots (``EMPTY_INDEX``) are dropped, and so is any index outside
+  ``[0, n)``: a negative one is not counted from the end (no index is, so the
+  indices are not rewritten first, a kernel of its own per bucket).
   """
   dense = jnp.zeros(n, jnp.float32)
   return dense.at[indices.reshape(-1)].add(
-      values.reshape(-1).astype(jnp.float32), mode="drop"
+      values.reshape(-1).astype(jnp.float32), mode="drop", wrap_negative_indices=False
   )

@@ -64,7 +64,7 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
   flat = indices.reshape(-1)
   word = jnp.where((flat >= 0) & (flat < n), flat // _WORD, words)
   bit = jnp.left_shift(jnp.uint32(1), (flat % _WORD).astype(jnp.uint32))
-  return mask.at[word].add(bit, mode="drop")
+  return mask.at[word].add(bit, mode="drop", wrap_negative_indices=False)
 
 
 def zero_sent(sent: jax.Array, x: jax.Array) -> jax.Array:

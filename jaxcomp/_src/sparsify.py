@@ -354,8 +354,9 @@ def randomk(
     del state
     n = ctx.bucket.size
     indices = random_indices(ctx.key, n, checks.num_selected(density, n))
-    mean_values = ctx.mean(corrected.at[indices].get(indices_are_sorted=True,
-                                                     unique_indices=True))
+    mean_values = ctx.mean(corrected.at[indices].get(
+        indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds",
+        wrap_negative_indices=False))
     return protocol.Output(
         mean=collectives.densify(mean_values, indices, n),
         residual=protocol.Zeroed(indices),
