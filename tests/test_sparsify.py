@@ -322,12 +322,13 @@ def test_random_indices_follow_the_documented_law(n, k):
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(n=st.integers(2, 40), data=st.data())
 def test_rotated_strata_at_every_rotation(n, data):
-  """Every rotation r of [0, n), the strata's draws at either end of each stratum
-  included: the wrapped count taken from the stratum holding n - r, with no sum and no
-  roll, puts each index where the sorted rule does."""
+  """Every rotation r of [0, n), with draws small and near 2**32 (so that the first and
+  the last position of a stratum come up): the wrapped count taken from the stratum
+  holding n - r, with no sum and no roll, puts each index where the sorted rule does."""
   k = data.draw(st.integers(1, n - 1), label="k")
-  drawn = np.asarray(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=k, max_size=k),
-                               label="drawn"), np.uint32)
+  draw = st.one_of(st.integers(0, n), st.integers(2**32 - n, 2**32 - 1))
+  drawn = np.asarray(data.draw(st.lists(draw, min_size=k, max_size=k), label="drawn"),
+                     np.uint32)
   rotated = jax.jit(lambda r: sparsify._rotated_strata(
       lambda stratum: jnp.asarray(drawn)[stratum], r, n, k))
   for r in range(n):
