@@ -8,6 +8,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp._src import demo
+from jaxcomp._src import fusion
 from jaxcomp._src import selection
 
 import harness
@@ -98,7 +99,7 @@ def test_inverse_per_leaf_cuts_the_inverse_into_the_leaves(devices, chunk, share
                         for _ in range(devices)]).astype(np.uint8)
   inverse = rng.normal(size=(chunk, chunk)).astype(np.float32)
   args = jnp.asarray(values), jnp.asarray(positions), jnp.asarray(inverse)
-  pieces = demo.inverse_per_leaf(*args, cuts)
+  pieces = demo.inverse_per_leaf(*args, fusion.Bucket.of([jnp.zeros(c) for c in cuts]))
   assert [p.shape for p in pieces] == [(c,) for c in cuts]
   # The same products summed in the same order (up to XLA's contraction into FMAs).
   np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in pieces]),

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import optax
 
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
+from jaxcomp._src import fusion
 from jaxcomp._src import protocol
 from jaxcomp._src import selection
 from jaxcomp._src import wire
@@ -79,9 +79,9 @@ def inverse_of_sparse(values: jax.Array, positions: jax.Array, inverse: jax.Arra
 
 
 def inverse_per_leaf(values: jax.Array, positions: jax.Array, inverse: jax.Array,
-                     sizes: Sequence[int]) -> list[jax.Array]:
-  """:func:`inverse_of_sparse` cut into consecutive pieces of ``sizes`` entries (a bucket's
-  leaves, ``f32[size]`` each), the same values.
+                     bucket: fusion.Bucket) -> list[jax.Array]:
+  """:func:`inverse_of_sparse` cut into ``bucket``'s leaves (``f32[size]`` each, at
+  ``bucket.offsets``), the same values.
 
   With few terms each piece is its own sum of rows over the chunks it
   touches: one kernel per leaf that reads its chunks' coefficients and writes
@@ -91,7 +91,7 @@ def inverse_per_leaf(values: jax.Array, positions: jax.Array, inverse: jax.Array
   """
   chunk = inverse.shape[0]
   chunks, k = values.shape[-2:]
-  spans = list(zip(itertools.accumulate(sizes, initial=0), sizes))  # (start, size)
+  spans = list(zip(bucket.offsets, bucket.sizes))
   if values.size // chunks * _SUM_SHARE > chunk:
     flat = inverse_of_sparse(values, positions, inverse)
     return [flat[start:start + size] for start, size in spans]
@@ -176,7 +176,7 @@ def demo(
     values = ctx.send(coefficients)
     gathered_values, gathered_positions = collectives.allgather(values, ctx.axes), ctx.allgather(
         positions.astype(jnp.uint8))
-    mean = inverse_per_leaf(gathered_values, gathered_positions, inverse, ctx.bucket.sizes)
+    mean = inverse_per_leaf(gathered_values, gathered_positions, inverse, ctx.bucket)
 
     def kept():
       # From the padded chunks, not ``corrected``: no second buffer of it.
