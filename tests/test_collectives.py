@@ -9,6 +9,7 @@ import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
@@ -240,6 +241,40 @@ def test_densify_drops_an_index_outside_the_vector():
   got = np.asarray(collectives.densify(jnp.asarray(values), jnp.asarray(indices), 4))
   np.testing.assert_array_equal(got, [0.0, 0.0, 4.0, 0.0])
   harness.assert_bitwise_equal(got, harness.densify_reference(values, indices, 4))
+
+
+def test_densify_starts_from_the_first_entry_minus_itself():
+  """Zeros for a finite first entry (the sums bit for bit), NaN everywhere for a
+  non-finite one; a later non-finite entry reaches its own index only."""
+  indices = jnp.asarray([2, 0, EMPTY], jnp.int32)
+  for values in ([np.inf, 1.0, 0.0], [np.nan, 1.0, 0.0], [-3.0, np.inf, 0.0],
+                 [-3.0, 1.0, np.nan]):
+    values = np.asarray(values, np.float32)
+    got = np.asarray(collectives.densify(jnp.asarray(values), indices, 4))
+    # NaN where the oracle has NaN (its sign bit is the CPU's: not compared).
+    np.testing.assert_array_equal(got, harness.densify_reference(values, np.asarray(indices), 4))
+    assert np.isnan(got).all() == (not np.isfinite(values[0]))
+    if np.isfinite(values[0]):
+      np.testing.assert_array_equal(got[[1, 2, 3]], [0.0, -3.0, 0.0])
+      assert np.signbit(got[[1, 3]]).sum() == 0  # +0.0, as from a zero buffer
+
+
+def test_densify_forms_its_zeros_from_the_entries():
+  """The buffer under the scatter depends on the entries (so XLA makes it after they
+  arrive, in memory freed by then), not on a constant alone."""
+  jaxpr = jax.make_jaxpr(lambda v, i: collectives.densify(v, i, 16))(
+      jnp.ones(4), jnp.arange(4, dtype=jnp.int32)).jaxpr
+  (scatter,) = [e for e in jaxpr.eqns if e.primitive.name == "scatter-add"]
+  producers = {out: e for e in jaxpr.eqns for out in e.outvars}
+  pending, ancestors = [scatter.invars[0]], set()
+  while pending:
+    var = pending.pop()
+    if not isinstance(var, jex_core.Var) or var in ancestors:
+      continue
+    ancestors.add(var)
+    if var in producers:
+      pending.extend(producers[var].invars)
+  assert jaxpr.invars[0] in ancestors
 
 
 def test_unbound_axis_is_a_clear_error():

@@ -338,8 +338,20 @@ def densify(values: jax.Array, indices: jax.Array, n: int) -> jax.Array:
   Empty slots (``EMPTY_INDEX``) are dropped, and so is any index outside
   ``[0, n)``: a negative one is not counted from the end (no index is, so the
   indices are not rewritten first, a kernel of its own per bucket).
+
+  The vector starts from ``v - v`` of the first entry ``v``: zeros while
+  ``v`` is finite, so the sums are the plain scatter-add's bit for bit. A
+  non-finite ``v`` (a device's poisoned message, or an overflowed sum; empty
+  slots hold 0) makes every entry NaN, where the plain sum is non-finite at
+  ``v``'s index. Formed
+  from an entry, the zeros are written once the exchange has brought the
+  entries, where XLA:CPU can place them in memory that buffers dead by then
+  give back (SparseLoCo's fused gradient); a buffer of constant zeros is
+  written first thing in the step, into memory of its own whose pages fault
+  in on every step (SparseLoCo on ResNet-50, one CPU device: about 75,000
+  page faults a step against 50,000, and 1.15x against 0.99x dense's time).
   """
-  dense = jnp.zeros(n, jnp.float32)
-  return dense.at[indices.reshape(-1)].add(
-      values.reshape(-1).astype(jnp.float32), mode="drop", wrap_negative_indices=False
-  )
+  values = values.reshape(-1).astype(jnp.float32)
+  first = values[:1]
+  dense = jnp.broadcast_to(first - first, (n,)) if first.size else jnp.zeros(n, jnp.float32)
+  return dense.at[indices.reshape(-1)].add(values, mode="drop", wrap_negative_indices=False)
