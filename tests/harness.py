@@ -272,10 +272,8 @@ def sparse_allgather_reference(values, indices):
 
 def densify_reference(values, indices, n):
   """The spec of ``collectives.densify``: scatter-add in row order, empty slots and
-  indices outside ``[0, n)`` dropped, onto zeros, or onto NaN everywhere when the first
-  entry is not finite."""
-  flat = np.asarray(values, np.float32).reshape(-1)
-  dense = np.full(n, np.nan if flat.size and not np.isfinite(flat[0]) else 0.0, np.float32)
+  indices outside ``[0, n)`` dropped."""
+  dense = np.zeros(n, np.float32)
   for v, i in zip(np.asarray(values, np.float32).reshape(-1), np.asarray(indices).reshape(-1)):
     if 0 <= i < n:
       dense[i] = np.float32(dense[i] + v)

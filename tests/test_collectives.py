@@ -243,38 +243,54 @@ def test_densify_drops_an_index_outside_the_vector():
   harness.assert_bitwise_equal(got, harness.densify_reference(values, indices, 4))
 
 
-def test_densify_starts_from_the_first_entry_minus_itself():
-  """Zeros for a finite first entry (the sums bit for bit), NaN everywhere for a
-  non-finite one; a later non-finite entry reaches its own index only."""
+def test_densify_is_the_plain_sum_whatever_the_first_entry():
+  """Zeros under the sum (+0.0) whatever the first entry is, NaN and infinities
+  included: a non-finite entry reaches its own index only."""
   indices = jnp.asarray([2, 0, EMPTY], jnp.int32)
   for values in ([np.inf, 1.0, 0.0], [np.nan, 1.0, 0.0], [-3.0, np.inf, 0.0],
-                 [-3.0, 1.0, np.nan]):
+                 [-3.0, 1.0, np.nan], [-3.0, 1.0, 0.0]):
     values = np.asarray(values, np.float32)
     got = np.asarray(collectives.densify(jnp.asarray(values), indices, 4))
     # NaN where the oracle has NaN (its sign bit is the CPU's: not compared).
     np.testing.assert_array_equal(got, harness.densify_reference(values, np.asarray(indices), 4))
-    assert np.isnan(got).all() == (not np.isfinite(values[0]))
-    if np.isfinite(values[0]):
-      np.testing.assert_array_equal(got[[1, 2, 3]], [0.0, -3.0, 0.0])
-      assert np.signbit(got[[1, 3]]).sum() == 0  # +0.0, as from a zero buffer
+    np.testing.assert_array_equal(got[[1, 3]], [0.0, 0.0])
+    assert not np.signbit(got[[1, 3]]).any()  # +0.0, as a buffer of zeros holds
 
 
-def test_densify_forms_its_zeros_from_the_entries():
-  """The buffer under the scatter depends on the entries (so XLA makes it after they
-  arrive, in memory freed by then), not on a constant alone."""
+def _ancestors(jaxpr, var, platform="cpu"):
+  """The variables of ``jaxpr`` that ``var`` is computed from; through a
+  ``lax.platform_dependent`` choice, from what ``platform``'s branch reads (the
+  default branch where none names it)."""
+  producers = {out: e for e in jaxpr.eqns for out in e.outvars}
+  pending, found = [var], set()
+  while pending:
+    var = pending.pop()
+    if not isinstance(var, jex_core.Var) or var in found:
+      continue
+    found.add(var)
+    eqn = producers.get(var)
+    if eqn is None:
+      continue
+    if "branches_platforms" in eqn.params:
+      branches = dict(zip(eqn.params["branches_platforms"], eqn.params["branches"]))
+      branch = next((b for on, b in branches.items() if on and platform in on), branches[None])
+      position = eqn.outvars.index(var)
+      inside = _ancestors(branch.jaxpr, branch.jaxpr.outvars[position], platform)
+      pending.extend(outer for inner, outer in zip(branch.jaxpr.invars, eqn.invars[1:])
+                     if inner in inside)
+    else:
+      pending.extend(eqn.invars)
+  return found
+
+
+def test_densify_forms_its_zeros_from_the_entries_on_cpu():
+  """On CPU the buffer under the scatter is computed from the entries (so XLA
+  makes it after they arrive, in memory freed by then), not from a constant."""
   jaxpr = jax.make_jaxpr(lambda v, i: collectives.densify(v, i, 16))(
       jnp.ones(4), jnp.arange(4, dtype=jnp.int32)).jaxpr
   (scatter,) = [e for e in jaxpr.eqns if e.primitive.name == "scatter-add"]
-  producers = {out: e for e in jaxpr.eqns for out in e.outvars}
-  pending, ancestors = [scatter.invars[0]], set()
-  while pending:
-    var = pending.pop()
-    if not isinstance(var, jex_core.Var) or var in ancestors:
-      continue
-    ancestors.add(var)
-    if var in producers:
-      pending.extend(producers[var].invars)
-  assert jaxpr.invars[0] in ancestors
+  assert jaxpr.invars[0] in _ancestors(jaxpr, scatter.invars[0])
+  assert jaxpr.invars[0] not in _ancestors(jaxpr, scatter.invars[0], platform="cuda")
 
 
 def test_unbound_axis_is_a_clear_error():
