@@ -341,6 +341,31 @@ def test_two_level_summary_and_table():
           " 5.00x were its step as short as unshaped") in table
 
 
+
+@pytest.mark.parametrize("finished, line", [
+    (False, "**The run stopped before its end** (`finished` is false): no rows for gtopk,"
+            " hierarchical_gtopk."),
+    (True, None),
+])
+def test_a_stopped_run_names_the_methods_without_rows(finished, line):
+  runs = [{"method": "allreduce", "bandwidth_gbit": 1.0, "status": "timed out",
+           "error": "TimeoutError: the workers did not finish"}]
+  flat = {"config": {"processes": 4, "params": 1000, "model": "resnet50", "steps": 10,
+                     "warmup": 2, "cpu_count": 16, "load_average_at_start": [1.0],
+                     "methods": ["allreduce", "gtopk", "hierarchical_gtopk"],
+                     "network": {"mode": "loopback", "fallback_reason": "not root"}},
+          "runs": runs, "summary": {}, "load_average_at_end": [2.0], "finished": finished}
+  two_level = {**flat, "runs": [_two_level_row("allreduce", 1.0, 1.2, 0.3, 75e6)],
+               "config": {**flat["config"], "mesh_shape": {"node": 2, "local": 2},
+                          "rows": {}, "network": {"mode": "netns", "links": "links",
+                                                  "measured_one_way_latency_us": 12.0}}}
+  for table in (report.markdown(flat), report.two_level_markdown(two_level)):
+    if line is None:
+      assert "stopped" not in table
+    else:
+      assert line in table.splitlines()
+
+
 def test_two_level_flags():
   args = launcher.parse_args(["--two-level"])
   assert args.methods == list(workload.TWO_LEVEL_ROWS)

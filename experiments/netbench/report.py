@@ -179,6 +179,17 @@ def one_line(row: dict) -> str:
           f" predicted {_ms(pred) or '-'} ms{training}")
 
 
+def _stopped(result: dict) -> list[str]:
+  """A paragraph naming the methods without rows when the run stopped before its end
+  (``finished`` false: a signal or a time-out), else nothing."""
+  if result.get("finished", True):
+    return []
+  ran = {row["method"] for row in result["runs"]}
+  missing = [m for m in result["config"].get("methods", []) if m not in ran]
+  rest = f"no rows for {', '.join(missing)}" if missing else "every method has its rows"
+  return [f"**The run stopped before its end** (`finished` is false): {rest}.", ""]
+
+
 def markdown(result: dict) -> str:
   config = result["config"]
   net = config["network"]
@@ -192,7 +203,7 @@ def markdown(result: dict) -> str:
       f" load average at start {config['load_average_at_start'][0]:.2f},"
       f" at end {result['load_average_at_end'][0]:.2f}.",
       "",
-  ]
+  ] + _stopped(result)
   if net["mode"] == "netns":
     lines += [
         f"Network: {net['links']}; measured one-way latency"
@@ -342,7 +353,7 @@ def two_level_markdown(result: dict) -> str:
       f" {config['load_average_at_start'][0]:.2f}, at end"
       f" {result['load_average_at_end'][0]:.2f}.",
       "",
-  ]
+  ] + _stopped(result)
   if net["mode"] == "netns":
     lines += [f"Network: {net['links']}; measured one-way latency between nodes"
               f" {net['measured_one_way_latency_us']:.1f} us (unshaped inside a node).", ""]
