@@ -14,6 +14,7 @@ from experiments import hlo_counts
 from experiments import shapes
 from jaxcomp._src import dense as dense_lib
 from jaxcomp._src import lowrank
+from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
 import harness
@@ -451,6 +452,25 @@ def test_bad_warm_start_and_mismatched_updates():
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="shape"):
     tx.update({**PARAMS, "small": jnp.zeros((3, 3))}, state)
+
+
+@pytest.mark.parametrize("cap", [None, 0.001], ids=["one_bucket", "buckets"])
+def test_acpsgd_orthonormalises_every_bucket_in_one_batch(cap):
+  """After the last exchange, one Gram-Schmidt of ``r`` norms for the step however many
+  buckets (PowerSGD's, which the next product waits for, is one per bucket)."""
+  mesh = training.make_mesh(8)
+  grads = training.stack_per_device(PARAMS, mesh, "data")
+
+  def norms(tx):
+    state = training.init_state(tx, PARAMS, mesh, "data")
+    text = str(jax.make_jaxpr(training.make_update(tx, mesh, "data"))(grads, state))
+    return text.count(" = sqrt ")
+
+  tx = lowrank.acpsgd(RANK, "data", bucket_cap_mb=cap)
+  buckets = len(protocol.spec(tx).fused.plan(PARAMS))
+  assert buckets == (1 if cap is None else 2)
+  assert norms(tx) == RANK
+  assert norms(lowrank.powersgd(RANK, "data", bucket_cap_mb=cap)) == RANK * buckets
 
 
 @pytest.mark.parametrize("factory", [lowrank.powersgd, lowrank.acpsgd])

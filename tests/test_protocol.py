@@ -149,6 +149,78 @@ def test_a_method_in_runs_gets_each_run_corrected_with_the_same_bits(cap):
     assert shapes == ((0,), (bucket.sizes[0],), (sum(bucket.sizes[1:]),))
 
 
+class LastState(NamedTuple):
+  count: jax.Array
+  residual: optax.Params
+  last: jax.Array
+
+
+def summed(axis_name, calls, bucket_cap_mb=None, field="last"):
+  """``half``, whose ``last`` (sized by the bucket) gains each step the bucket's mean plus
+  the sum of every bucket's mean: work on the state across buckets, in ``finish``."""
+
+  def step(ctx, corrected, state):
+    sent = corrected / 2
+    mean = ctx.mean(sent)
+    return protocol.Output(mean=mean, residual=corrected - sent, finish=(mean, state.last))
+
+  def finish(items):
+    calls.append(len(items))
+    total = sum(jnp.sum(mean) for mean, _ in items)
+    return [{field: last + mean + total} for mean, last in items]
+
+  return protocol.compressor(protocol.Method(
+      name="summed", config={"axis_name": axis_name}, axes=(axis_name,), state=LastState,
+      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+      init=lambda params, bucket: {"last": jnp.zeros(bucket.size, jnp.float32)},
+      error_feedback=True, bucket_cap_mb=bucket_cap_mb, bucket_fields=("last",),
+      finish=finish))
+
+
+@pytest.mark.parametrize("cap, buckets", [(None, 1), (3e-5, 2)],
+                         ids=["one_bucket", "two_buckets"])
+def test_finish_takes_every_buckets_items_at_once_and_writes_with_the_step(cap, buckets):
+  """``finish`` gets each bucket's item in one call; what it returns is each bucket's
+  field, kept over a kept step and dropped over a skipped one (a NaN on one device)."""
+  mesh = training.make_mesh(8)
+  rng = np.random.default_rng(7)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
+                          RUN_PARAMS) for _ in range(3)]
+  batches[1]["a"][2, 0, 1] = np.nan
+  calls = []
+  tx = summed("data", calls, cap)
+  state = training.init_state(tx, RUN_PARAMS, mesh, "data")
+  update = training.make_update(tx, mesh, "data")
+  lasts = []
+  for grads in batches:
+    _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+    lasts.append(jax.tree.map(np.asarray, protocol.as_tree(
+        tx, training.device_rows(state, jax.eval_shape(tx.init, RUN_PARAMS)).last,
+        RUN_PARAMS)))
+  assert calls == [buckets]  # one trace, one call with every bucket's item
+  # Error feedback: the second step skipped, the third's corrected gradient is its own
+  # plus the residual of the first (half of it).
+  means = [jax.tree.map(lambda g: g.mean(0) / 2, batches[0]),
+           jax.tree.map(lambda g0, g2: (g0.mean(0) / 2 + g2.mean(0)) / 2,
+                        batches[0], batches[2])]
+  want, wants = jax.tree.map(np.zeros_like, means[0]), []
+  for mean in means:
+    total = sum(float(np.sum(m, dtype=np.float64)) for m in jax.tree.leaves(mean))
+    want = jax.tree.map(lambda w, m: w + m + total, want, mean)
+    wants.append(want)
+  for got, want in zip((lasts[0], lasts[1], lasts[2]), (wants[0], wants[0], wants[1])):
+    for name in RUN_PARAMS:  # every device holds the same
+      np.testing.assert_allclose(got[name], np.broadcast_to(want[name], got[name].shape),
+                                 rtol=1e-5, atol=1e-5)
+
+
+def test_finish_writes_only_fields_sized_by_the_bucket():
+  tx = summed("data", [], field="count")
+  with pytest.raises(ValueError, match="`finish` wrote 'count', which is not one of its"
+                                       r" bucket_fields \('last',\)"):
+    harness.one_step_of_normal_gradients(tx, RUN_PARAMS, 0)
+
+
 def first_entries(axis_name, runs=None):
   """A toy sparsifier: entries 0 and 3 of the bucket sent exactly, the residual the rest
   (:class:`protocol.Zeroed`); in ``runs`` of leaves when given."""

@@ -31,7 +31,9 @@ the rest, once, for every method:
    PRNG key split every step by :func:`jaxcomp._src.draws.step_keys`)
    written only where the mean is finite (every bucket's, decided once after
    the last exchange): a skipped step leaves every state as it was, on every
-   device alike;
+   device alike; work on the state that no exchange waits for may be left
+   to :attr:`Method.finish`, done once for every bucket after the last
+   exchange;
 7. the choice of ring or 2D torus for dense reductions (``axis_name`` a pair);
 8. a step of several forms (:attr:`Method.form`): the form picked on the host
    (``update``'s ``compressor_form``, one program per form) or computed from
@@ -230,6 +232,8 @@ class Output(NamedTuple):
     message: for a method with a :class:`Message`, the mean in its compact
       form (``f32[message.size(bucket)]``, identical on every device), from
       which ``message.decode`` rebuilds ``mean``.
+    finish: for a method with :attr:`Method.finish`, what this bucket hands
+      it (any value: arrays, static shapes).
   """
 
   mean: Mean
@@ -237,6 +241,7 @@ class Output(NamedTuple):
   state: Mapping[str, Any] = {}
   witness: Any = None
   message: Optional[jax.Array] = None
+  finish: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +431,14 @@ class Method:
       method that reads the gradient run by run (the low-rank methods' matrix
       products, one run per matrix shape); not with ``prepare`` or
       ``flat_length``.
+    finish: ``finish(items) -> fields``, the work on the state that no
+      exchange waits for, done once for every bucket after the last
+      bucket's exchange: ``items`` holds each bucket's
+      :attr:`Output.finish` in order, ``fields`` is one mapping per bucket
+      of its new ``bucket_fields`` values (as :attr:`Output.state` gives
+      them), kept or dropped with the step. ACP-SGD orthonormalises every
+      bucket's reduced factor in one batch: one program however many
+      buckets, not one per bucket. ``None``: nothing.
   """
 
   name: str
@@ -448,6 +461,7 @@ class Method:
   form: Optional[Callable[[Any], Any]] = None
   bucket_order: Optional[tuple[int, ...]] = None
   runs: Optional[Callable[[fusion.Bucket], tuple[int, ...]]] = None
+  finish: Optional[Callable[[list], Sequence[Mapping[str, Any]]]] = None
 
 
 # The keyword of ``update`` that carries a step's form picked on the host
@@ -670,7 +684,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     split = len(buckets) > 1
     olds = {f: getattr(state, f) if split else (getattr(state, f),) for f in sized}
     pending = {f: [] for f in sized}
-    threaded, results, oks, after = state, [], [], None
+    threaded, results, oks, finishing, after = state, [], [], [], None
     form = step_form(state, form)
     for index, bucket in enumerate(buckets):
       view = threaded._replace(**{f: olds[f][index] for f in sized})
@@ -685,11 +699,19 @@ def compressor(method: Method) -> optax.GradientTransformation:
       result, out = exchange(index, bucket, after, compress)
       results.append(result)
       oks.append(ok)
+      finishing.append(out.finish)
       for f in sized:
         pending[f].append(written.pop(f, None))
       threaded = threaded._replace(**written)
       if index + 1 < len(buckets):
         after = _token(out)
+    if method.finish is not None:
+      for index, fields in enumerate(method.finish(finishing)):
+        for f, value in fields.items():
+          if f not in pending:
+            raise ValueError(f"method {method.name!r}: `finish` wrote {f!r}, which is not"
+                             f" one of its bucket_fields {tuple(method.bucket_fields)}")
+          pending[f][index] = value
     if counted:
       new["count"] = optax.safe_increment(state.count)
     new_state = threaded._replace(**new)
