@@ -454,23 +454,29 @@ def test_bad_warm_start_and_mismatched_updates():
     tx.update({**PARAMS, "small": jnp.zeros((3, 3))}, state)
 
 
-@pytest.mark.parametrize("cap", [None, 0.001], ids=["one_bucket", "buckets"])
-def test_acpsgd_orthonormalises_every_bucket_in_one_batch(cap):
-  """After the last exchange, one Gram-Schmidt of ``r`` norms for the step however many
-  buckets (PowerSGD's, which the next product waits for, is one per bucket)."""
+ALIKE = {f"w{i}": jnp.zeros((16, 12)) for i in range(4)}
+
+
+@pytest.mark.parametrize("params, buckets, batches", [
+    (ALIKE, 2, 1),
+    ({**ALIKE, "long": jnp.zeros((400, 12))}, 3, 2),  # 400-row columns: a batch alone
+], ids=["alike", "one_long"])
+def test_acpsgd_orthonormalises_the_buckets_in_a_few_batches(params, buckets, batches):
+  """After the last exchange, one Gram-Schmidt of ``r`` norms per batch of buckets whose
+  columns are about as long, not one per bucket (PowerSGD's, which the next product
+  waits for, is one per bucket)."""
   mesh = training.make_mesh(8)
-  grads = training.stack_per_device(PARAMS, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
 
   def norms(tx):
-    state = training.init_state(tx, PARAMS, mesh, "data")
+    state = training.init_state(tx, params, mesh, "data")
     text = str(jax.make_jaxpr(training.make_update(tx, mesh, "data"))(grads, state))
     return text.count(" = sqrt ")
 
-  tx = lowrank.acpsgd(RANK, "data", bucket_cap_mb=cap)
-  buckets = len(protocol.spec(tx).fused.plan(PARAMS))
-  assert buckets == (1 if cap is None else 2)
-  assert norms(tx) == RANK
-  assert norms(lowrank.powersgd(RANK, "data", bucket_cap_mb=cap)) == RANK * buckets
+  tx = lowrank.acpsgd(RANK, "data", bucket_cap_mb=0.001)
+  assert len(protocol.spec(tx).fused.plan(params)) == buckets
+  assert norms(tx) == RANK * batches
+  assert norms(lowrank.powersgd(RANK, "data", bucket_cap_mb=0.001)) == RANK * buckets
 
 
 @pytest.mark.parametrize("factory", [lowrank.powersgd, lowrank.acpsgd])

@@ -436,9 +436,9 @@ class Method:
       bucket's exchange: ``items`` holds each bucket's
       :attr:`Output.finish` in order, ``fields`` is one mapping per bucket
       of its new ``bucket_fields`` values (as :attr:`Output.state` gives
-      them), kept or dropped with the step. ACP-SGD orthonormalises every
-      bucket's reduced factor in one batch: one program however many
-      buckets, not one per bucket. ``None``: nothing.
+      them), kept or dropped with the step. ACP-SGD orthonormalises the
+      buckets' reduced factors there in a batch or two, not one per
+      bucket. ``None``: nothing.
   """
 
   name: str
