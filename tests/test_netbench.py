@@ -341,7 +341,6 @@ def test_two_level_summary_and_table():
           " 5.00x were its step as short as unshaped") in table
 
 
-
 @pytest.mark.parametrize("finished, line", [
     (False, "**The run stopped before its end** (`finished` is false): no rows for gtopk,"
             " hierarchical_gtopk."),
