@@ -32,7 +32,8 @@ def test_main_prints_both_tables(capsys):
   out = capsys.readouterr().out
   assert "| lax.top_k " in out and "| exact_topk " in out
   lines = [line for line in out.splitlines() if "topk_per_row (this backend)" in line]
-  assert len(lines) == 2  # SparseLoCo's chunks, then DeMo's
+  assert len(lines) == 3  # SparseLoCo's chunks, then DeMo's at k = 1 and at its default 2
   assert "5 x 4096, k = 5" in lines[0] and "313 x 64, k = 1" in lines[1]
+  assert "313 x 64, k = 2" in lines[2]
   assert all(line.rstrip(" |").endswith("yes") for line in lines)
   assert jax.devices()[0].platform in out

@@ -34,14 +34,17 @@ def _assert_same_as_lax_top_k(x, capacity, values, indices):
 
 
 def test_backend_defaults_are_the_documented_ones():
-  """On CPU exact_topk from 4M entries on, rows ranked by blocks of 32 and DGC's
-  threshold sampled; none of them on GPU or TPU."""
+  """On CPU exact_topk from 4M entries on, rows ranked by blocks of 32 or by up to 8
+  argmaxes, and DGC's threshold sampled; none of them on GPU or TPU (k = 1's one
+  argmax on every backend)."""
   assert selection.tuning_for("cpu").exact_min_size == 1 << 22
   assert selection.tuning_for("cpu").row_block == 32
+  assert selection.tuning_for("cpu").argmax_k == 8
   assert selection.tuning_for("cpu").sampled
   for backend in ("gpu", "cuda", "rocm", "tpu"):
     assert selection.tuning_for(backend).exact_min_size is None
     assert selection.tuning_for(backend).row_block is None
+    assert selection.tuning_for(backend).argmax_k == 1
     assert not selection.tuning_for(backend).sampled
   assert selection.tuning_for() == selection.tuning_for(jax.default_backend())
   assert selection.tuning_for("an-unknown-backend") == selection.Tuning()
@@ -370,10 +373,11 @@ def test_a_non_finite_entry_is_always_selected_in_its_row(bad, count, seed, k):
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**16), bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
                   k=st.sampled_from([1, 2, 3, 5]), width=st.sampled_from([64, 96, 256, 1024]),
-                  row_block=st.sampled_from([32, 8, 16, None]))
-def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block):
-  """Each route of ``topk_per_row`` (k = 1's reduction, the blocks of ``row_block``
-  entries where a row holds at least ``4 k`` of them, ``lax.top_k``) keeps
+                  row_block=st.sampled_from([32, 8, 16, None]), argmax_k=st.sampled_from([1, 3, 8]))
+def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block, argmax_k):
+  """Each route of ``topk_per_row`` (the blocks of ``row_block`` entries where a row
+  holds at least ``4 k`` of them, ``k`` argmax reductions up to ``argmax_k``,
+  ``lax.top_k``) keeps
   ``top_k``'s order: largest first, the lowest position among ties, NaN ranked
   as inf. Entries in {-2, ..., 2} tie in every row; -0 ties with 0, NaN with inf."""
   rng = np.random.default_rng(seed)
@@ -382,7 +386,7 @@ def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block):
   x[rng.integers(0, 40, 12), rng.integers(0, width, 12)] = -np.inf  # ties with NaN
   x[0] = -0.0
   x[1] = np.float32(1e-40) * rng.integers(-2, 3, size=width)  # subnormals
-  tuning = selection.Tuning(row_block=row_block)
+  tuning = selection.Tuning(row_block=row_block, argmax_k=argmax_k)
   values, positions = jax.jit(lambda x: selection.topk_per_row(x, k, tuning))(jnp.asarray(x))
   magnitude = np.abs(x)
   magnitude[np.isnan(magnitude)] = np.inf
@@ -391,27 +395,36 @@ def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block):
   harness.assert_bitwise_equal(np.asarray(values), np.take_along_axis(x, want, axis=1))
 
 
-@pytest.mark.parametrize("k, row_block, message", [
-    (0, 32, "`k` must be an int in \\[1, 64\\]"), (65, 32, "`k` must be an int in"),
-    (2.0, 32, "`k` must be an int in"), (2, 0, "`tuning.row_block` must be None or an int >= 1"),
+@pytest.mark.parametrize("k, tuning, message", [
+    (0, {}, "`k` must be an int in \\[1, 64\\]"), (65, {}, "`k` must be an int in"),
+    (2.0, {}, "`k` must be an int in"),
+    (2, {"row_block": 0}, "`tuning.row_block` must be None or an int >= 1"),
+    (2, {"argmax_k": 0}, "`tuning.argmax_k` must be an int >= 1"),
+    (2, {"argmax_k": None}, "`tuning.argmax_k` must be an int >= 1"),
 ])
-def test_per_row_arguments_are_refused_by_name(k, row_block, message):
+def test_per_row_arguments_are_refused_by_name(k, tuning, message):
   with pytest.raises(ValueError, match=message):
-    selection.topk_per_row(jnp.zeros((3, 64)), k, selection.Tuning(row_block=row_block))
+    selection.topk_per_row(jnp.zeros((3, 64)), k, selection.Tuning(**tuning))
 
 
-@pytest.mark.parametrize("k, width, row_block, top_k_widths", [
-    (5, 4096, 32, [128, 160]),  # by blocks: the maxima of 128 blocks, then 5 blocks' entries
-    (5, 4096, None, [4096]),    # a GPU's or TPU's route
-    (40, 4096, 32, [4096]),     # 40 blocks of 128 would be more than a quarter of the row
-    (5, 4100, 32, [4100]),      # blocks do not tile the row
-    (1, 4096, 32, []),          # one reduction
+@pytest.mark.parametrize("k, width, row_block, argmax_k, top_k_widths, argmaxes", [
+    (5, 4096, 32, 8, [128, 160], 0),  # by blocks: the maxima of 128 blocks, then 5 blocks' entries
+    (5, 4096, None, 1, [4096], 0),    # a GPU's or TPU's route
+    (5, 4096, None, 8, [], 5),        # five argmaxes
+    (40, 4096, 32, 8, [4096], 0),     # 40 blocks of 128 would be more than a quarter of the row
+    (5, 4100, 32, 8, [], 5),          # blocks do not tile the row: argmaxes
+    (9, 4100, 32, 8, [4100], 0),      # nor would argmaxes pay
+    (2, 64, 32, 8, [], 2),            # DeMo's rows
+    (1, 4096, 32, 1, [], 1),          # one reduction, on every backend
 ])
-def test_per_row_route_follows_the_tuning(k, width, row_block, top_k_widths):
-  """The route taken, read off the program: the widths of its ``top_k``s."""
-  tuning = selection.Tuning(row_block=row_block)
+def test_per_row_route_follows_the_tuning(k, width, row_block, argmax_k, top_k_widths,
+                                          argmaxes):
+  """The route taken, read off the program: the widths of its ``top_k``s and its
+  argmax reductions."""
+  tuning = selection.Tuning(row_block=row_block, argmax_k=argmax_k)
   jaxpr = jax.make_jaxpr(lambda x: selection.topk_per_row(x, k, tuning))(
       jnp.zeros((6, width), jnp.float32))
   widths = [eqn.invars[0].aval.shape[-1] for eqn in jaxpr.jaxpr.eqns
             if eqn.primitive.name == "top_k"]
   assert widths == top_k_widths
+  assert sum(eqn.primitive.name == "argmax" for eqn in jaxpr.jaxpr.eqns) == argmaxes
