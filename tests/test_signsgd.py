@@ -1,6 +1,7 @@
 """signsgd on 8 fake CPU devices, against numpy oracles."""
 
 import functools
+import math
 
 import hypothesis
 from hypothesis import strategies as st
@@ -73,13 +74,70 @@ def _signsgd_reference(corrected, majority_vote, block_size=N):
 )
 def test_pack_unpack_round_trip(n, data):
   values = data.draw(st.lists(
-      st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-30, -1e30]), min_size=n, max_size=n))
+      st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-30, -1e30, np.nan, -np.inf]),
+      min_size=n, max_size=n))
   x = np.asarray(values, np.float32)
   packed = signsgd.pack_signs(jnp.asarray(x))
   assert packed.dtype == jnp.uint8 and packed.shape == (-(-n // 8),)
   np.testing.assert_array_equal(packed, np.packbits(x >= 0, bitorder="little"))
   np.testing.assert_array_equal(
       signsgd.unpack_signs(packed, n), np.where(x >= 0, 1.0, -1.0))
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(n=st.sampled_from([1, 7, 8, 9, N, 64]), seed=st.integers(0, 2**16))
+def test_signs_and_magnitudes_per_byte(n, seed):
+  """The one reduction that gives the packed signs also gives each byte's sum of
+  ``|x|`` (8 entries, the last byte's padding adding 0), to f32 rounding."""
+  x = np.random.default_rng(seed).normal(size=n).astype(np.float32)
+  packed, magnitudes = signsgd._signs_and_magnitudes(jnp.asarray(x))
+  np.testing.assert_array_equal(packed, np.packbits(x >= 0, bitorder="little"))
+  want = np.abs(np.pad(x, (0, -n % 8))).astype(np.float64).reshape(-1, 8).sum(axis=1)
+  np.testing.assert_allclose(magnitudes, want, rtol=8 * np.finfo(np.float32).eps)
+
+
+def _ops_of(jaxpr, size: int, prefixes: tuple[str, ...]) -> int:
+  """The operations named ``prefixes...`` a jaxpr runs on ``size`` to ``2 size``
+  entries (a bucket, padded; the decoding's sums over the devices read 8 times
+  more): nested jaxprs included, a conditional's lightest branch."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith(prefixes) and any(
+        size <= math.prod(v.aval.shape) < 2 * size for v in eqn.invars
+        if hasattr(v.aval, "shape")):
+      count += 1
+    for value in eqn.params.values():
+      inner = [v for v in (value if isinstance(value, tuple) else (value,))
+               if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
+      found = [_ops_of(getattr(v, "jaxpr", v), size, prefixes) for v in inner]
+      if found:
+        count += min(found) if eqn.primitive.name == "cond" else sum(found)
+  return count
+
+
+def _update_jaxpr(name: str):
+  """The jaxpr of ``FACTORIES[name]``'s update of a 64 x 64 leaf on 8 devices."""
+  params = {"w": jnp.zeros((64, 64))}
+  mesh = training.make_mesh(8)
+  tx = FACTORIES[name]("data")
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  return jax.make_jaxpr(training.make_update(tx, mesh, "data"))(grads, state).jaxpr
+
+
+@pytest.mark.parametrize("name", ["ef", "majority", "plain"])
+def test_the_signs_and_the_scale_read_the_gradient_once(name):
+  """With one scale, the packed signs and ``mean |c|`` come from one reduction of the
+  corrected gradient (one pass over it), not ``packbits`` and a sum apart."""
+  assert _ops_of(_update_jaxpr(name), 64 * 64, ("reduce", "arg")) == 1
+
+
+@pytest.mark.parametrize("name", ["blocks", "blocks_majority"])
+def test_block_scales_reach_their_entries_by_a_broadcast(name):
+  """Each block's scale is spread over its entries by a broadcast, which XLA fuses
+  into the readers, not by a gather or a scatter (``jnp.repeat``'s: on ResNet-50 at
+  blocks of 64, 229 kernels and 23.5 passes against 173 and 11.0)."""
+  assert _ops_of(_update_jaxpr(name), 64 * 64, ("gather", "scatter")) == 0
 
 
 def test_sign_of_zero_is_plus_one():
