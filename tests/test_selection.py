@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hlo_counts
 from jaxcomp import collectives
 from jaxcomp._src import selection
 import harness
@@ -428,3 +429,37 @@ def test_per_row_route_follows_the_tuning(k, width, row_block, argmax_k, top_k_w
             if eqn.primitive.name == "top_k"]
   assert widths == top_k_widths
   assert sum(eqn.primitive.name == "argmax" for eqn in jaxpr.jaxpr.eqns) == argmaxes
+
+
+# ---------------------------------------------------------------- max_magnitude
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**16), width=st.sampled_from([1, 7, 32, 33, 64, 100, 1100]),
+                  bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf, None]))
+def test_max_magnitude_is_each_rows_largest_magnitude_nan_as_inf(seed, width, bad):
+  """Exact for rows of any width (pieces of 32, the last one padded), -0 and
+  subnormals included; a row with NaN or an infinity gives inf."""
+  rng = np.random.default_rng(seed)
+  x = (rng.normal(size=(9, width)) * 10.0 ** rng.integers(-40, 38, size=(9, 1))).astype(np.float32)
+  x[0] = -0.0
+  x[1] = np.float32(1e-40) * rng.integers(-2, 3, size=width)
+  if bad is not None:
+    x[rng.integers(2, 9, 3), rng.integers(0, width, 3)] = bad
+  want = np.abs(x)
+  want[np.isnan(want)] = np.inf
+  harness.assert_bitwise_equal(np.asarray(jax.jit(selection.max_magnitude)(jnp.asarray(x))),
+                               want.max(axis=1))
+
+
+def test_max_magnitude_reads_its_rows_once():
+  """On XLA:CPU the reduction fuses with what computes its rows: a program that
+  adds two vectors and takes the largest magnitude of every 64 entries reads them
+  and writes almost nothing (``max(where(isnan(x), inf, |x|))`` over rows of 64
+  is split into a tree whose first level writes and reads the rows again: 4 passes)."""
+  n = 1 << 18
+  x = jnp.zeros((n,), jnp.float32)
+  text = jax.jit(lambda x, r: selection.max_magnitude((x + r).reshape(-1, 64))).lower(
+      x, x).compile().as_text()
+  counts = hlo_counts.count(text, n)
+  assert counts.passes < 2.1, counts.heaviest

@@ -11,6 +11,7 @@ import optax
 
 from jaxcomp._src import checks
 from jaxcomp._src import protocol
+from jaxcomp._src import selection
 from jaxcomp._src import two_hop
 
 BITS = (4, 8)
@@ -42,8 +43,7 @@ def encode(x: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
   """
   blocks = x.reshape(-1, block)
   top = 2 ** (bits - 1) - 1
-  magnitude = jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks))
-  scales = jnp.max(magnitude, axis=1) / top
+  scales = selection.max_magnitude(blocks) / top
   level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
   level = jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1)
   if bits == 8:

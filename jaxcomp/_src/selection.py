@@ -152,6 +152,32 @@ def _magnitude_key(x: jax.Array) -> jax.Array:
   return jnp.minimum(lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF, _INF_BITS)
 
 
+# XLA:CPU splits a reduction of more than this many entries into a tree whose
+# first level is a buffer of its own: what feeds the reduction is written out and
+# read again, where a reduction of at most this many fuses with it.
+_FUSED_REDUCTION = 32
+
+
+def max_magnitude(rows: jax.Array) -> jax.Array:
+  """``f32[m]``: each row's largest ``|entry|`` of ``rows`` (``[m, w]``), NaN counted as
+  ``inf``, exact.
+
+  The largest of :func:`_magnitude_key`'s bits, taken over pieces of at most
+  32 entries (the row zero-padded to whole pieces), then over the pieces, so
+  that on XLA:CPU it fuses with what computes ``rows``: ResNet-50's 25.6M
+  corrected entries in rows of 64, 8.5 ms and 2 passes against 51 ms and 4
+  for ``max(where(isnan(x), inf, |x|))``.
+  """
+  width = rows.shape[1]
+  if width <= _FUSED_REDUCTION:
+    return _as_magnitude(jnp.max(_magnitude_key(rows), axis=1, initial=0))
+  pieces = -(-width // _FUSED_REDUCTION)
+  padded = jnp.pad(rows, ((0, 0), (0, pieces * _FUSED_REDUCTION - width)))
+  key = _magnitude_key(padded.reshape(rows.shape[0], pieces, _FUSED_REDUCTION))
+  # Behind a barrier: XLA would merge the two reductions back into one of the row.
+  return _as_magnitude(jnp.max(lax.optimization_barrier(jnp.max(key, axis=2)), axis=1))
+
+
 def _as_magnitude(key: jax.Array) -> jax.Array:
   """The f32 magnitudes of :func:`_magnitude_key`'s bits (XLA:CPU's ``top_k`` of
   int32 is a full sort, about 100x slower than of f32)."""
