@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hlo_counts
 import jaxcomp
 from jaxcomp._src import quantized
 from jaxcomp import training
@@ -105,3 +106,28 @@ def test_bytes_follow_the_bits():
 def test_bad_arguments(kwargs, error, name):
   with pytest.raises(error, match=name):
     jaxcomp.quantized(axis_name="data", **kwargs)
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: jaxcomp.quantized(8, "data"),
+    lambda: jaxcomp.qsgd(8, "data", error_feedback=True),
+])
+def test_error_feedback_reads_the_old_residual_once(factory):
+  """The old residual is read by one kernel, the error feedback's addition: the new
+  one is formed from the corrected gradient and the scales inside the branch that
+  keeps the step, not chosen between old and new after it (a second pass over the
+  old one), nor decoded from a payload written out before it."""
+  params = {f"w{i}": jnp.zeros((512, 512)) for i in range(4)}
+  mesh = training.make_mesh(1)
+  tx = factory()
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  text = training.make_update(tx, mesh, "data", donate=True).lower(
+      grads, state).compile().as_text()
+  entry = hlo_counts.computations(text)["ENTRY"]
+  residual = [i.name for i in entry if i.op == "parameter" and "residual" in i.name]
+  readers = [i for i in entry if i.op not in ("tuple", "conditional")
+             and set(i.operands) & set(residual)]
+  assert len(residual) == 1 and len(readers) == 1, [(i.op, i.name) for i in readers]
+  assert not [i for i in entry if i.op == "fusion" and i.shape.startswith("u8")
+              and hlo_counts.source(i).endswith("bitcast_convert_type")]

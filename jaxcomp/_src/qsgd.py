@@ -64,18 +64,20 @@ def _norms(blocks: jax.Array) -> jax.Array:
   return lax.cond(jnp.isfinite(jnp.sum(plain)), lambda: plain, scaled)
 
 
-def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0):
+def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0,
+             norms: Optional[jax.Array] = None):
   """``(int8 levels [m * bucket_size], f32 norms [m])`` of a flat ``x``, padded with zeros.
 
   Per bucket ``b`` of ``bucket_size`` entries: ``l_i = floor(s |x_i| /
   ||x_b||)``, rounded up to ``l_i + 1`` with probability ``s |x_i| /
   ||x_b|| - l_i``, signed like ``x_i``: ``E[sign(x_i) l_i ||x_b|| / s] = x_i``.
   The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``.
+  ``norms``: ``x``'s, where already known (only the levels are computed).
   """
   n = x.shape[0]
   blocks = -(-n // bucket_size)
   padded = jnp.pad(x, (0, blocks * bucket_size - n)).reshape(blocks, bucket_size)
-  norms = _norms(padded)
+  norms = _norms(padded) if norms is None else norms
   # |x_i| / ||x_b|| first (levels * |x_i| overflows for |x_i| above f32's largest / s),
   # both brought to the norm's unit binade (exact), so that a reciprocal of the norm
   # does not underflow.
@@ -94,8 +96,8 @@ def _codec(levels: int, block: int, key, device) -> two_hop.Codec:
   The rounding draws of hop ``h`` (0: this device's gradient, 1: its chunk
   of the mean) are ``key``'s stream ``2 device + h``."""
 
-  def encode(x, hop):
-    level, norms = quantize(x, levels, block, key, 2 * device + hop)
+  def encode(x, hop, norms=None):
+    level, norms = quantize(x, levels, block, key, 2 * device + hop, norms)
     return lax.bitcast_convert_type(level, jnp.uint8), norms
 
   def decode(payload, norms):
@@ -191,7 +193,7 @@ def qsgd(
     device = lax.axis_index(axes[0] if len(axes) == 1 else axes)
     mean, sent, scales = two_hop.mean(ctx, corrected, _codec(levels, block, ctx.key, device),
                                       block, chunk)
-    return protocol.Output(mean=mean, residual=corrected - sent, witness=scales)
+    return protocol.Output(mean=mean, residual=lambda: corrected - sent(), witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps

@@ -31,8 +31,10 @@ class QuantizedState(NamedTuple):
   residual: Union[jax.Array, tuple]
 
 
-def encode(x: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
-  """``(uint8 payload, f32 scales [m])`` of a flat ``x`` of ``m * block`` entries.
+def encode(x: jax.Array, bits: int, block: int,
+           scales: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+  """``(uint8 payload, f32 scales [m])`` of a flat ``x`` of ``m * block`` entries
+  (``scales``: ``x``'s, where already known; only the payload is computed).
 
   Per block ``b``: the scale ``s_b = max |x_b| / q`` with ``q = 2**(bits - 1) - 1``
   (127 or 7), each entry rounded to the nearest integer of ``x_i / s_b`` (in
@@ -43,7 +45,7 @@ def encode(x: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
   """
   blocks = x.reshape(-1, block)
   top = 2 ** (bits - 1) - 1
-  scales = selection.max_magnitude(blocks) / top
+  scales = selection.max_magnitude(blocks) / top if scales is None else scales
   level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
   level = jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1)
   if bits == 8:
@@ -69,7 +71,7 @@ def _payload_bytes(bits: int):
 
 
 def _codec(bits: int, block: int) -> two_hop.Codec:
-  return two_hop.Codec(lambda x, hop: encode(x, bits, block),
+  return two_hop.Codec(lambda x, hop, scales=None: encode(x, bits, block, scales),
                        lambda payload, scales: decode(payload, scales, bits),
                        _payload_bytes(bits))
 
@@ -144,7 +146,7 @@ def quantized(
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
     mean, sent, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk)
-    return protocol.Output(mean=mean, residual=corrected - sent, witness=scales)
+    return protocol.Output(mean=mean, residual=lambda: corrected - sent(), witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps
