@@ -378,9 +378,9 @@ def test_a_non_finite_entry_is_always_selected_in_its_row(bad, count, seed, k):
 def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block, argmax_k):
   """Each route of ``topk_per_row`` (the blocks of ``row_block`` entries where a row
   holds at least ``4 k`` of them, ``k`` argmax reductions up to ``argmax_k``,
-  ``lax.top_k``) keeps
-  ``top_k``'s order: largest first, the lowest position among ties, NaN ranked
-  as inf. Entries in {-2, ..., 2} tie in every row; -0 ties with 0, NaN with inf."""
+  ``lax.top_k``) keeps ``top_k``'s order: largest first, the lowest position among
+  ties, NaN ranked as inf. Entries in {-2, ..., 2} tie in every row; -0 ties with 0,
+  NaN with inf."""
   rng = np.random.default_rng(seed)
   x = rng.integers(-2, 3, size=(40, width)).astype(np.float32)
   x[rng.integers(0, 40, 12), rng.integers(0, width, 12)] = bad

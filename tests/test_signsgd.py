@@ -107,9 +107,9 @@ def _ops_of(jaxpr, size: int, prefixes: tuple[str, ...]) -> int:
         if hasattr(v.aval, "shape")):
       count += 1
     for value in eqn.params.values():
-      inner = [v for v in (value if isinstance(value, tuple) else (value,))
-               if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
-      found = [_ops_of(getattr(v, "jaxpr", v), size, prefixes) for v in inner]
+      values = value if isinstance(value, tuple) else (value,)
+      inner = [getattr(v, "jaxpr", v) for v in values]  # a closed jaxpr's own
+      found = [_ops_of(v, size, prefixes) for v in inner if hasattr(v, "eqns")]
       if found:
         count += min(found) if eqn.primitive.name == "cond" else sum(found)
   return count
