@@ -191,9 +191,9 @@ def qsgd(
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, bucket_size)
     device = lax.axis_index(axes[0] if len(axes) == 1 else axes)
-    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(levels, block, ctx.key, device),
-                                      block, chunk)
-    return protocol.Output(mean=mean, residual=lambda: corrected - sent(), witness=scales)
+    mean, residual, scales = two_hop.mean(
+        ctx, corrected, _codec(levels, block, ctx.key, device), block, chunk)
+    return protocol.Output(mean=mean, residual=residual, witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps

@@ -145,8 +145,8 @@ def quantized(
   def step(ctx, corrected, state):
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
-    mean, sent, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk)
-    return protocol.Output(mean=mean, residual=lambda: corrected - sent(), witness=scales)
+    mean, residual, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk)
+    return protocol.Output(mean=mean, residual=residual, witness=scales)
 
   def wire_cost(bucket, sizes, steps):
     del steps

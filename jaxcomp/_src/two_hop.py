@@ -87,17 +87,18 @@ def flat_length(block_size: int, multiple: int = 1) -> Callable:
 
 def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
          chunk: int) -> tuple[jax.Array, Callable[[], jax.Array], jax.Array]:
-  """``(mean, sent, scales)``: the two-hop mean, f32 ``[n]``; ``sent()``, this device's
-  encoded gradient decoded (what error feedback keeps the difference to), shaped
-  like ``corrected``; and the gathered scales of the mean, ``[P, C / B]``, finite
-  exactly when the mean is (a codec's levels are bounded): the step's witness.
+  """``(mean, residual, scales)``: the two-hop mean, f32 ``[n]``; ``residual()``,
+  ``corrected`` less this device's encoded gradient decoded (what error feedback
+  keeps), shaped like ``corrected``; and the gathered scales of the mean,
+  ``[P, C / B]``, finite exactly when the mean is (a codec's levels are bounded):
+  the step's witness.
 
-  ``sent`` encodes ``corrected`` again from its scales where it is called: in
-  the residual's function (:attr:`jaxcomp.protocol.Output.residual`), it is
-  one pass over ``corrected`` inside the branch that keeps the step, where the
-  payload decoded would be a buffer written before it and the residual chosen
-  after it a pass over the old one (the 8-bit integers' step on ResNet-50: 12.4
-  passes, against 13.4 with the residual chosen and 13.9 with the payload).
+  ``residual`` encodes ``corrected`` again from its scales where it is called:
+  as :attr:`jaxcomp.protocol.Output.residual`, it is one pass over ``corrected``
+  inside the branch that keeps the step, where the payload decoded would be a
+  buffer written before it and the residual chosen after it a pass over the old
+  one (the 8-bit integers' step on ResNet-50: 12.4 passes, against 13.4 with the
+  residual chosen and 13.9 with the payload).
 
   ``ctx``: the method's :class:`jaxcomp.protocol.Context` (its ``send``
   scales the scales by ``1/P`` and poisons them where this device's input
@@ -117,8 +118,11 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
   gathered, gathered_scales = _unpacked(
       ctx.allgather(_parts(*codec.encode(chunk_mean, 1))), payload_bytes)
   decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
-  return decoded, lambda: codec.decode(codec.encode(corrected, 0, scales)[0],
-                                       scales).reshape(-1), gathered_scales
+
+  def residual():
+    return corrected - codec.decode(codec.encode(corrected, 0, scales)[0], scales).reshape(-1)
+
+  return decoded, residual, gathered_scales
 
 
 def wire_cost(payload_bytes: Callable[[int], int], n: int, block_size: int, sizes,
