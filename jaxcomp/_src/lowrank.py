@@ -679,12 +679,10 @@ def _renew(renewals: list[_Renewal]) -> list[dict[str, jax.Array]]:
   renewed: list[dict[str, jax.Array]] = [{} for _ in renewals]
   for batch in batches:
     length = lengths[batch[0]]
-    columns = [renewals[i].columns for i in batch]
-    columns = [jnp.pad(c, ((0, 0), (0, 0), (0, length - c.shape[-1])))
-               if c.shape[-1] < length else c for c in columns]
-    ortho = _orthonormalize(jnp.concatenate(columns) if len(columns) > 1 else columns[0])
-    ends = list(itertools.accumulate(c.shape[0] for c in columns))
-    parts = jnp.split(ortho, ends[:-1]) if len(columns) > 1 else [ortho]
+    columns = [jnp.pad(renewals[i].columns, ((0, 0), (0, 0), (0, length - lengths[i])))
+               for i in batch]
+    ortho = _orthonormalize(jnp.concatenate(columns))
+    parts = jnp.split(ortho, list(itertools.accumulate(counts[i] for i in batch[:-1])))
     for i, part in zip(batch, parts):
       r = renewals[i]
       renewed[i] = {"p": jnp.where(r.even, r.view.uncolumns(part, "p"), r.p),
