@@ -279,8 +279,13 @@ def dgc(
         # 0, or NaN when a gathered value is not finite (then so is the mean):
         # the k-sized test stands in for one over the n-sized mean.
         check = jnp.sum(all_values - all_values)
-        return (collectives.densify(all_values, all_indices, sparse.size),
-                error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size), check)
+        # Densified once the momentum is written: its zeros then take the fused
+        # gradient's memory, which the momentum reads until then.
+        sparse_mean = protocol.Later(
+            lambda after: collectives.densify(all_values, all_indices, sparse.size, after),
+            received=all_indices)
+        return (sparse_mean, error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size),
+                check)
 
       ks = _stage_ks(density, warmup_steps, sparse.size)
       if warmup_steps:
@@ -313,7 +318,7 @@ def dgc(
     # their residual is 0 (it never holds anything), written as such in the
     # same pass, so the residual is one elementwise write over the bucket.
     return protocol.Output(
-        mean=fusion.concat(means),
+        mean=protocol.Later.join(fusion.concat, means),
         residual=lambda: error_feedback.zero_sent(sent, corrected),
         witness=witness,
         state={"momentum": momentum})

@@ -132,7 +132,11 @@ def select_topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Arr
     ``(values [capacity], int32 indices [capacity])``, largest magnitude first;
     empty slots hold value 0 and index ``collectives.EMPTY_INDEX``.
   """
+  # Behind a barrier: XLA:CPU makes the TopK kernel of a sort whose every
+  # user is the same slice, and a consumer that reads a part of the indices
+  # (an order token reads one) would otherwise turn the kernel into a full sort.
   _, indices = lax.top_k(_as_magnitude(_magnitude_key(x)), capacity)
+  indices = lax.optimization_barrier(indices)
   values = x[indices]
   indices = indices.astype(jnp.int32)
   if k is None:

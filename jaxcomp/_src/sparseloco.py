@@ -153,9 +153,11 @@ def sparseloco(
     all_levels = lax.bitcast_convert_type(
         gathered[..., code_bytes + _INDEX_BYTES * k:].reshape(gathered.shape[:2] + (2, 4)),
         jnp.float32)
-    mean = collectives.densify(decode(all_codes, all_levels, k),
-                               selection.flat_positions(all_positions, chunk),
-                               chunks * chunk)[:n]
+    mean = protocol.Later(
+        lambda after: collectives.densify(decode(all_codes, all_levels, k),
+                                          selection.flat_positions(all_positions, chunk),
+                                          chunks * chunk, after)[:n],
+        received=gathered)
 
     def kept():
       return error_decay * padded.at[selection.flat_positions(positions, chunk)].add(
