@@ -572,10 +572,10 @@ def test_as_tree_and_from_tree_lay_a_residual_out_like_the_parameters(name, cap)
     protocol.as_tree(optax.sgd(0.1), flat, params)
 
 
-def _leaves_formed_after_the_state(tx, params) -> list[bool]:
+def _leaves_made_after_the_state(tx, params) -> list[bool]:
   """Per leaf of the update, in the jaxpr of ``update`` (nested calls taken whole):
   whether it is computed from the residual and the other fields sized by the bucket
-  as the step leaves them, i.e. formed once they are written."""
+  as the step leaves them, i.e. made once they are written."""
   state = tx.init(params)
   closed, shapes = jax.make_jaxpr(tx.update, axis_env=[("data", 8)], return_shape=True)(
       params, state)
@@ -600,18 +600,18 @@ def _leaves_formed_after_the_state(tx, params) -> list[bool]:
     lambda cap: jaxcomp.sparseloco(0.1, "data", chunk_size=8, bucket_cap_mb=cap),
 ], ids=["topk", "gtopk", "randomk", "dgc", "sparseloco"])
 def test_a_sparse_mean_is_densified_once_the_state_is_written(make, cap):
-  """A sparsifier's mean is a :class:`protocol.Later`: its zeros are formed from a
+  """A sparsifier's mean is a :class:`protocol.Later`: its zeros are made from a
   token of the written state, so on CPU they take the memory of a buffer dead by then
   (DGC's fused gradient, read by its momentum until it is written: 141-148 ms a step
-  against 157-163 on ResNet-50). A mean formed with the exchange (a dense one) does
+  against 157-163 on ResNet-50). A mean made with the exchange (a dense one) does
   not wait for the state."""
   # Matrices only: DGC sends a vector densely, and its mean is then the exchange's.
   params = {"w": jnp.zeros((6, 4)), "v": jnp.zeros((2, 4)), "c": jnp.zeros((3, 8))}
   tx = make(cap)
   assert (len(protocol.spec(tx).fused.plan(params)) > 1) == (cap is not None)
-  assert all(_leaves_formed_after_the_state(tx, params))
-  assert not any(_leaves_formed_after_the_state(jaxcomp.qsgd(4, "data", error_feedback=True),
-                                                params))
+  assert all(_leaves_made_after_the_state(tx, params))
+  assert not any(_leaves_made_after_the_state(jaxcomp.qsgd(4, "data", error_feedback=True),
+                                              params))
 
 
 def test_a_later_mean_needs_a_witness():
