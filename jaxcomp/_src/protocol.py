@@ -549,9 +549,10 @@ def _token(out: "Output") -> jax.Array:
 
   Added to the next bucket's payloads (:meth:`Context.ordered`), it makes
   every collective of that bucket follow every collective of this one: read
-  from the witness and the message, or the mean (each depends on every
-  collective the step ran; one read per array, scalars fused into one
-  kernel). Of a mean given per leaf, the first leaf: a token of each of 161
+  from the witness and the message, or the mean, or what a :class:`Later`
+  mean is made from (each depends on every collective the step ran; one read
+  per array, scalars fused into one kernel). Of a mean given per leaf, the
+  first leaf: a token of each of 161
   leaves was 18 kernels a bucket on XLA:CPU (DeMo on ResNet-50 in 25 MiB
   buckets: 300 kernels against 227).
   """
