@@ -22,7 +22,6 @@ import optax
 
 from jaxcomp._src import binade
 from jaxcomp._src import checks
-from jaxcomp._src import collectives
 from jaxcomp._src import error_feedback
 from jaxcomp._src import fusion
 from jaxcomp._src import protocol
@@ -281,9 +280,8 @@ def dgc(
         check = jnp.sum(all_values - all_values)
         # Densified once the momentum is written: its zeros then take the fused
         # gradient's memory, which the momentum reads until then.
-        sparse_mean = protocol.Later(
-            lambda after: collectives.densify(all_values, all_indices, sparse.size, after),
-            received=all_indices)
+        sparse_mean = protocol.Later.densified(all_values, all_indices, sparse.size,
+                                               received=all_indices)
         return (sparse_mean, error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size),
                 check)
 

@@ -221,6 +221,12 @@ class Later(NamedTuple):
   received: Any
 
   @staticmethod
+  def densified(values: jax.Array, indices: jax.Array, n: int, received: Any) -> "Later":
+    """The scatter-add of sparse ``values`` at ``indices`` into ``f32[n]``
+    (:func:`jaxcomp.collectives.densify`), its zeros made from ``after``."""
+    return Later(lambda after: collectives.densify(values, indices, n, after), received)
+
+  @staticmethod
   def join(combine: Callable[[list], Mean], parts: Sequence[Any]):
     """``combine(parts)``, each part an array or a ``Later``; itself a ``Later``
     when a part is one (every part made with the same ``after``)."""
@@ -561,8 +567,13 @@ def _token(out: "Output") -> jax.Array:
     decoded = decoded.received
   elif isinstance(decoded, (list, tuple)):
     decoded = decoded[0]  # each leaf of a mean given per leaf depends on every collective
-  tokens = [collectives.order_token(x) for x in jax.tree.leaves((out.witness, decoded)) if x.size]
-  return sum(tokens[1:], tokens[0])
+  return _token_of((out.witness, decoded))
+
+
+def _token_of(tree) -> Optional[jax.Array]:
+  """The sum of the order tokens of the arrays of ``tree`` (``None`` when it has none)."""
+  tokens = [collectives.order_token(x) for x in jax.tree.leaves(tree) if x.size]
+  return sum(tokens[1:], tokens[0]) if tokens else None
 
 
 def _corrected_runs(bucket: fusion.Bucket, runs: Sequence[int], updates: optax.Updates,
@@ -824,9 +835,7 @@ def compressor(method: Method) -> optax.GradientTransformation:
     """An f32 zero read from each array of the fields sized by the bucket in
     ``state`` (:func:`jaxcomp.collectives.order_token`): it follows their writes;
     ``None`` when there are none."""
-    tokens = [collectives.order_token(x) for f in sized
-              for x in jax.tree.leaves(getattr(state, f)) if x.size]
-    return sum(tokens[1:], tokens[0]) if tokens else None
+    return _token_of([getattr(state, f) for f in sized])
 
   def update_fn(updates: optax.Updates, state, params: Optional[optax.Params] = None,
                 **extra_args):

@@ -129,9 +129,8 @@ def topk(
     values, indices = selection.topk(corrected, checks.num_selected(density, ctx.bucket.size))
     all_values, all_indices = ctx.sparse_allgather(values, indices)
     return protocol.Output(
-        mean=protocol.Later(
-            lambda after: collectives.densify(all_values, all_indices, ctx.bucket.size, after),
-            received=all_indices),
+        mean=protocol.Later.densified(all_values, all_indices, ctx.bucket.size,
+                                      received=all_indices),
         residual=protocol.Zeroed(indices),
         witness=all_values)
 
@@ -214,10 +213,8 @@ def gtopk(
     in_global = jnp.zeros(k, bool).at[slot].set(True, mode="drop")
     sent = jnp.where(in_global, indices, collectives.EMPTY_INDEX)
     return protocol.Output(
-        mean=protocol.Later(
-            lambda after: collectives.densify(global_values, global_indices, ctx.bucket.size,
-                                              after),
-            received=global_indices),
+        mean=protocol.Later.densified(global_values, global_indices, ctx.bucket.size,
+                                      received=global_indices),
         residual=protocol.Zeroed(sent),
         witness=global_values)
 
@@ -363,8 +360,7 @@ def randomk(
         indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds",
         wrap_negative_indices=False))
     return protocol.Output(
-        mean=protocol.Later(lambda after: collectives.densify(mean_values, indices, n, after),
-                            received=()),
+        mean=protocol.Later.densified(mean_values, indices, n, received=()),
         residual=protocol.Zeroed(indices),
         witness=mean_values)
 
