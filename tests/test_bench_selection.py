@@ -31,6 +31,8 @@ def test_main_prints_both_tables(capsys):
                         "--chunk", "4096"])
   out = capsys.readouterr().out
   assert "| lax.top_k " in out and "| exact_topk " in out
+  fallback = [line for line in out.splitlines() if "| exact_topk, fallback " in line]
+  assert len(fallback) == 1 and fallback[0].rstrip(" |").endswith("1.0000")
   lines = [line for line in out.splitlines() if "topk_per_row (this backend)" in line]
   assert len(lines) == 3  # SparseLoCo's chunks, then DeMo's at k = 1 and at its default 2
   assert "5 x 4096, k = 5" in lines[0] and "313 x 64, k = 1" in lines[1]
