@@ -1,6 +1,7 @@
 """experiments.bench_compression on tiny shapes, one device and --fast (no timing thresholds)."""
 
 import itertools
+import re
 import statistics
 
 import pytest
@@ -213,5 +214,22 @@ def test_buckets_add_a_row_per_method(tmp_path):
   # Each bucket is its own exchange: more kernels than one bucket, the same bytes' order.
   assert (int(by_label["gtopk(density=0.1, bucket_cap_mb=0.001)"]["kernels"])
           > int(by_label["gtopk(density=0.1)"]["kernels"]))
+  # The rows with buckets have rounds of their own, and dense again in them for their ratios.
+  (dense_ms,) = re.findall(r"with `allreduce` \(([0-9.]+) ms there\)", out.read_text())
+  for label in ("allreduce(bucket_cap_mb=0.001)", "gtopk(density=0.1, bucket_cap_mb=0.001)"):
+    row = by_label[label]
+    assert float(row["x dense"]) == pytest.approx(float(row["ms/step"]) / float(dense_ms),
+                                                  abs=0.01 + 0.1 / float(dense_ms))
+  assert by_label["allreduce"]["x dense"] == "1.00"
+
+
+def test_the_rows_of_one_bucket_and_with_buckets_are_timed_apart_each_with_dense():
+  labels = ["allreduce", "topk", "allreduce(bucket_cap_mb=25)", "topk(bucket_cap_mb=25)",
+            "acpsgd(bucket_cap_mb=25) P step"]
+  assert bench_compression.single_phases(labels) == [
+      ["allreduce", "topk"],
+      ["allreduce", "allreduce(bucket_cap_mb=25)", "topk(bucket_cap_mb=25)",
+       "acpsgd(bucket_cap_mb=25) P step"]]
+  assert bench_compression.single_phases(["allreduce", "topk"]) == [["allreduce", "topk"]]
   with pytest.raises(SystemExit):
     bench_compression.main(["--bucket-cap-mb", "-1"])
