@@ -576,10 +576,9 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " once, each blocked before the next, in an order rotated from round to round, so"
       " that a change in the machine's load falls on all alike; x dense is the ratio to"
       " `allreduce`'s median in the same rounds. The rows of one bucket and those with"
-      " buckets run in rounds of their own, each with `allreduce`: the programs of a round"
-      " hold their states at once, and all of the transformer's filled 17 GB of a 23 GB"
-      " machine, which slowed every step's page faults (dense 1,138 against 493 ms)."
-      " compile s is `lower(...).compile()`. **kernels** and **passes** are"
+      " buckets run in rounds of their own, each with `allreduce` (the programs of a round"
+      " hold their states at once: about 12 GB a phase for the transformer, twice that in"
+      " one round). compile s is `lower(...).compile()`. **kernels** and **passes** are"
       " read from the compiled program (`experiments.hlo_counts`): the kernels a step"
       " launches (fusions, copies, sorts, collectives...; a loop body once, a conditional's"
       " lightest branch that does any work) and the bytes they read and write over 4n, the"
@@ -648,9 +647,12 @@ def single_phases(labels: list[str]) -> list[list[str]]:
   buckets, each phase with ``allreduce`` (of one bucket) for its ratios.
 
   A phase holds the state of each of its programs at once (a residual of the
-  whole gradient for most): every row of the transformer held 17 GB of a 23 GB
-  machine, and the page faults of every step grew slower (dense 1,138 against
-  493 ms in rounds of half the rows).
+  whole gradient for most): the transformer's phases each held about 12 GB of a
+  23 GB machine, every row in one round twice that, and a step's page faults
+  grow slower as memory fills (dense's one-bucket step, 1.3 GB of new memory:
+  570 ms alone, 893 ms beside 17 GB held). Its time also moves with the other
+  programs of its round: 539 ms among the one-bucket rows, 785 ms among those
+  with buckets, in one run.
   """
   one = [label for label in labels if "bucket_cap_mb" not in label]
   bucketed = [label for label in labels if "bucket_cap_mb" in label]

@@ -308,6 +308,33 @@ def test_exact_topk_falls_back_and_is_still_exact():
   _assert_same_as_lax_top_k(y, k, *_exact_topk(y, k, seed=1, ratio=0.01))
 
 
+@functools.lru_cache(maxsize=None)
+def _radix_fn(capacity, size):
+  return jax.jit(lambda x, k: selection._topk_by_radix(x, capacity, k, size))
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**16), levels=st.sampled_from([2, 50, None]),
+                  k=st.integers(0, 40), size=st.sampled_from([1000, 1003]),
+                  bad=st.sampled_from([None, np.nan, -np.inf]))
+def test_the_radix_fallback_is_the_k_largest_bits_of_the_head(seed, levels, k, size, bad):
+  """Any k up to the capacity, of a head of ``x``, ties to the lower index (few
+  magnitudes: many ties at the cut), by magnitude bits (NaN above inf); in index
+  order, the slots past k empty."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=1003).astype(np.float32)
+  if levels is not None:
+    x = (np.round(x * levels) / levels).astype(np.float32)
+  if bad is not None:
+    x[rng.choice(1003, 3, replace=False)] = bad
+  values, indices = _radix_fn(40, size)(jnp.asarray(x), k)
+  bits = np.abs(x[:size]).view(np.int32)
+  want = np.sort(np.argsort(-bits, kind="stable")[:k])
+  np.testing.assert_array_equal(np.asarray(indices)[:k], want)
+  assert np.all(np.asarray(indices)[k:] == EMPTY)
+  harness.assert_bitwise_equal(values, np.concatenate([x[want], np.zeros(40 - k, np.float32)]))
+
+
 @pytest.mark.parametrize("route", ["exact_topk", "sampled_topk"])
 def test_the_fallback_makes_no_buffer_the_size_of_x(route):
   """``lax.top_k`` of the magnitudes would write them out first: on XLA:CPU memory of

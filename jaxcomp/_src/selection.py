@@ -242,18 +242,20 @@ def _select_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
 
 
 def _pack(x: jax.Array, keep: Callable[[jax.Array], jax.Array], valid=None) -> jax.Array:
-  """``uint32[len(x) / 32]``: bit ``j`` of word ``w`` is ``keep(bits)`` of ``x[32 w + j]``,
-  ``bits`` its magnitude's (:func:`_magnitude_bits`)."""
+  """``uint32[..., len(x) / 32]``: bit ``j`` of word ``w`` is ``keep(bits)`` of ``x[32 w + j]``,
+  ``bits`` its magnitude's (:func:`_magnitude_bits`); ``keep`` may give masks along
+  leading axes (``[..., len(x)]``), packed in the same pass."""
   mask = keep(_magnitude_bits(x))
   if valid is not None:
     mask = mask & valid
-  shifted = mask.reshape(-1, _WORD).astype(jnp.uint32) << jnp.arange(_WORD, dtype=jnp.uint32)
-  return jnp.sum(shifted, axis=1, dtype=jnp.uint32)
+  shifted = (mask.reshape(*mask.shape[:-1], -1, _WORD).astype(jnp.uint32)
+             << jnp.arange(_WORD, dtype=jnp.uint32))
+  return jnp.sum(shifted, axis=-1, dtype=jnp.uint32)
 
 
 def _words(x: jax.Array, keep: Callable[[jax.Array], jax.Array]) -> jax.Array:
-  """``uint32[ceil(len(x) / 32)]``: :func:`_pack` of the whole of ``x``, its last word's
-  bits past the end zero. One pass over ``x``, fused with what computes it; no
+  """``uint32[..., ceil(len(x) / 32)]``: :func:`_pack` of the whole of ``x``, its last
+  word's bits past the end zero. One pass over ``x``, fused with what computes it; no
   ``x``-sized buffer."""
   n = x.shape[0]
   full = n // _WORD
@@ -262,7 +264,7 @@ def _words(x: jax.Array, keep: Callable[[jax.Array], jax.Array]) -> jax.Array:
   if tail:
     padded = jnp.pad(x[full * _WORD:], (0, _WORD - tail))
     parts.append(_pack(padded, keep, jnp.arange(_WORD) < tail))
-  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 # Prefix sums go up a tree of this many entries per node (see _prefix_sum).
@@ -328,21 +330,26 @@ def _compact_where(x: jax.Array, keep: Callable[[jax.Array], jax.Array], capacit
   One pass packs the mask into 32-bit words (:func:`_words`); a prefix sum of the per-word counts
   (``n / 32`` of them, :func:`_prefix_sum`) gives each word's first slot; each output slot then
   finds its word by binary search and its bit by a popcount search. No
-  ``n``-sized cumsum, scatter or copy.
+  ``n``-sized cumsum, scatter or copy. A ``keep`` that gives masks along leading
+  axes (``[..., n]``) has each compacted, all in the same kernels.
 
   Returns:
-    ``(int32 indices [capacity] in increasing order, EMPTY_INDEX past the
-    count; the count of entries kept)``.
+    ``(int32 indices [..., capacity] in increasing order, EMPTY_INDEX past
+    the count; the count of entries kept [...])``.
   """
   words = _words(x, keep)
   counts = lax.population_count(words).astype(jnp.int32)
   ends = _prefix_sum(counts)
-  total = ends[-1]
+  total = ends[..., -1]
   slots = jnp.arange(capacity, dtype=jnp.int32)
-  word = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), words.shape[0] - 1)
-  rank = slots - (ends[word] - counts[word])
-  index = word * _WORD + _select_bit(words[word], rank)
-  return jnp.where(slots < total, index, collectives.EMPTY_INDEX), total
+  search = functools.partial(jnp.searchsorted, v=slots, side="right")
+  for _ in range(words.ndim - 1):
+    search = jax.vmap(search)
+  word = jnp.minimum(search(ends), words.shape[-1] - 1)
+  at_word = functools.partial(jnp.take_along_axis, indices=word, axis=-1)
+  rank = slots - (at_word(ends) - at_word(counts))
+  index = word * _WORD + _select_bit(at_word(words), rank)
+  return jnp.where(slots < total[..., None], index, collectives.EMPTY_INDEX), total
 
 
 def sample_size(n: int, sample_ratio: float) -> int:
@@ -546,7 +553,7 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
   largest bits ``t`` by a radix search of 31 passes, each counting the entries
   at or above a candidate in :func:`_words` (a barrier keeps the bits inside
   the loop: hoisted out of it they would be a buffer of ``x``'s size); then
-  every entry above ``t`` and the first of those equal to it, each set
+  every entry above ``t`` and the first of those equal to it, both sets
   compacted in one more pass. No buffer the size of ``x`` is made, where
   ``lax.top_k`` needs the magnitudes written out first: on XLA:CPU that buffer,
   allocated for the branch whether it runs or not, took memory of its own that
@@ -571,8 +578,9 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
     return jnp.sum(lax.population_count(words).astype(jnp.int32))
 
   cut = _radix_search(count, k)
-  above, count = _compact_where(x[:size], lambda bits: bits > cut, capacity)
-  ties, _ = _compact_where(x[:size], lambda bits: bits == cut, capacity)
+  # Both sets in one pass and one compaction's kernels.
+  (above, ties), (count, _) = _compact_where(
+      x[:size], lambda bits: jnp.stack([bits > cut, bits == cut]), capacity)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   # Fewer than ``k`` lie above the cut; the first ties fill the rest.
   ties = jnp.where(slot < k - count, ties, collectives.EMPTY_INDEX)
