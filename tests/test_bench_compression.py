@@ -97,7 +97,11 @@ def test_differences_and_ratios_come_from_the_same_row(report):
       assert min(corners) - half <= float(r[col[ratio]]) <= max(corners) + half, (r[0], ratio)
     goal = r[col["<= 0.6"]]
     if r[0] != "allreduce" and r[col["hier/flat"]] != "n/a":
-      assert goal == ("yes" if float(r[col["hier/flat"]]) <= 0.6 else "**no**"), r[0]
+      shown = float(r[col["hier/flat"]])
+      # The goal reads the unrounded ratio: a cell within rounding of 0.6 allows either.
+      allowed = {"yes", "**no**"} if abs(shown - 0.6) <= half else {
+          "yes" if shown <= 0.6 else "**no**"}
+      assert goal in allowed, r[0]
 
 
 def test_rows_hold_repeats_rounds_of_every_program():
