@@ -572,18 +572,18 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
   k = capacity if k is None else k
   size = x.shape[0] if size is None else size
 
-  def count(candidate, i):
+  def at_least(candidate, i):
     seen, _ = lax.optimization_barrier((x, i))
     words = _words(seen[:size], lambda bits: bits >= candidate)
     return jnp.sum(lax.population_count(words).astype(jnp.int32))
 
-  cut = _radix_search(count, k)
+  cut = _radix_search(at_least, k)
   # Both sets in one pass and one compaction's kernels.
-  (above, ties), (count, _) = _compact_where(
+  (above, ties), (above_count, _) = _compact_where(
       x[:size], lambda bits: jnp.stack([bits > cut, bits == cut]), capacity)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   # Fewer than ``k`` lie above the cut; the first ties fill the rest.
-  ties = jnp.where(slot < k - count, ties, collectives.EMPTY_INDEX)
+  ties = jnp.where(slot < k - above_count, ties, collectives.EMPTY_INDEX)
   indices = lax.sort(jnp.concatenate([above, ties]))[:capacity]
   valid = indices != collectives.EMPTY_INDEX
   return jnp.where(valid, x[jnp.where(valid, indices, 0)], 0).astype(x.dtype), indices
