@@ -561,7 +561,7 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
   corrected gradient's (top-k on ResNet-50: 3.0 to 2.0 gradients' worth of new
   memory a step, 57,000-70,000 to 25,000-34,000 page faults). The search
   takes about the wall time of ``lax.top_k`` and more CPU time (25.6M equal
-  magnitudes on 2 cores: 126 against 136 ms, 226 against 159 CPU ms,
+  magnitudes on 2 cores: 138 against 133 ms, 248 against 156 CPU ms,
   ``python -m experiments.bench_selection``), and runs only when the sample
   misses.
 
