@@ -169,6 +169,11 @@ def plan(bucket: Bucket, cap_mb: Optional[float],
       for group in groups)
 
 
+# XLA:CPU fuses a concatenation of at most this many arrays into the kernel that
+# reads it (jax 0.10.2); one of more is a copy of its own, into a buffer of its own.
+FUSED_CONCATENATION = 8
+
+
 def concat(parts: list[jax.Array]) -> jax.Array:
   """Flat f32 parts end to end (no copy for one part, ``f32[0]`` for none)."""
   if not parts:

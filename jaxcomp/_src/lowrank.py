@@ -238,7 +238,7 @@ class MatrixView:
 # (groups of 12 leaves) PowerSGD made 8.9 passes and ACP-SGD's steps 8.0, against
 # 10.4 and 9.5 in one batch per shape, for 24 and 13 more kernels, in 0.82x and
 # 0.78x the time (the P step; two runs of each).
-_BATCH_LEAVES = 8
+_BATCH_LEAVES = fusion.FUSED_CONCATENATION
 
 
 def _batches(count: int) -> list[int]:

@@ -456,7 +456,7 @@ class Method:
       bucket's entries, written by the concatenation that fuses the leaves
       (a codec's whole blocks, a chunked method's whole chunks: no block of
       the bucket is then read through a slice, which XLA:CPU copies first,
-      and error feedback corrects the buffer in place, :func:`_plus_residual`);
+      and error feedback corrects the buffer in place, :func:`_corrected`);
       ``None``: ``bucket.size``. The residual stays ``f32[bucket.size]``, and
       the mean too.
     message: the compact form of the mean, when there is one
@@ -605,29 +605,37 @@ def _corrected_runs(bucket: fusion.Bucket, runs: Sequence[int], updates: optax.U
   return tuple(out)
 
 
-def _plus_residual(flat: jax.Array, residual: jax.Array) -> jax.Array:
-  """``flat`` (``f32[length]``) plus ``residual`` (``f32[n]``, ``n <= length``) on its first
-  ``n`` entries; the rest as it is (the zeros of a :attr:`Method.flat_length`).
+def _corrected(bucket: fusion.Bucket, updates: optax.Updates, residual: jax.Array,
+               length: int) -> jax.Array:
+  """The bucket's leaves of ``updates`` fused, ``f32[length]`` (zeros past ``bucket.size``,
+  :attr:`Method.flat_length`), plus ``residual`` (``f32[bucket.size]``) on its first entries.
 
-  On CPU a longer ``flat`` takes the sum in place: a fusion of the addition
-  with the residual's padding is one XLA:CPU does not write over its operand,
-  so the corrected gradient had a buffer of its own beside the fused one (the
-  same values; ResNet-50, one device: SparseLoCo's step allocated 3 gradients'
-  worth of new memory where it now allocates 2, and took 131-134 ms against
-  109-118 ms, in paired runs). The barrier keeps XLA from cutting the slice
-  out of the concatenation that made ``flat``, a second concatenation.
+  Without padding, one addition. With it, on CPU, a concatenation of more
+  leaves than XLA:CPU fuses into its reader
+  (:data:`jaxcomp._src.fusion.FUSED_CONCATENATION`), which is a buffer of its
+  own, takes the sum in place: a fusion of the addition with the residual's
+  padding is one XLA:CPU does not write over its operand, so the corrected
+  gradient had a buffer of its own beside the fused one (the same values;
+  ResNet-50, one device: SparseLoCo's step allocated 3 gradients' worth of new
+  memory where it now allocates 2, and took 131-134 ms against 109-118 ms, in
+  paired runs). The barrier keeps XLA from cutting the slice out of the
+  concatenation, a second concatenation. Fewer leaves are padded after their
+  concatenation, so that both fuse into the addition (zeros as one more part
+  of it would make it a copy).
   """
-  n = residual.shape[0]
-  if flat.shape[0] == n:
-    return flat + residual
+  n = bucket.size
+  if length == n:
+    return bucket.flatten(updates) + residual
+  if len(bucket.leaves) <= fusion.FUSED_CONCATENATION:
+    return jnp.pad(bucket.flatten(updates), (0, length - n)) + jnp.pad(residual, (0, length - n))
 
   def in_place(flat):
     flat = lax.optimization_barrier(flat)
     return lax.dynamic_update_slice(flat, flat[:n] + residual, (0,))
 
   return lax.platform_dependent(
-      flat, cpu=in_place,
-      default=lambda flat: flat + jnp.pad(residual, (0, flat.shape[0] - n)))
+      bucket.flatten(updates, length), cpu=in_place,
+      default=lambda flat: flat + jnp.pad(residual, (0, length - n)))
 
 
 def compressor(method: Method) -> optax.GradientTransformation:
@@ -709,10 +717,12 @@ def compressor(method: Method) -> optax.GradientTransformation:
     elif method.prepare is not None:
       corrected, carry = method.prepare(ctx, bucket.flatten(updates, length), state)
       ctx = dataclasses.replace(ctx, carry=carry)
+      if method.error_feedback:
+        corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
+    elif method.error_feedback:
+      corrected = _corrected(bucket, updates, state.residual, length)
     else:
       corrected = bucket.flatten(updates, length)
-    if method.error_feedback and method.runs is None:
-      corrected = _plus_residual(corrected, state.residual)
     if not (method.propagates_nonfinite or method.payload_carries_nonfinite):
       # One reduction over the fused bucket (or each run): compile time stays
       # linear in the number of leaves (one per leaf grows with its square).
