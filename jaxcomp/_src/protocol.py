@@ -456,9 +456,10 @@ class Method:
       bucket's entries, written by the concatenation that fuses the leaves
       (a codec's whole blocks, a chunked method's whole chunks: no block of
       the bucket is then read through a slice, which XLA:CPU copies first,
-      and error feedback corrects the buffer in place, :func:`_corrected`);
-      ``None``: ``bucket.size``. The residual stays ``f32[bucket.size]``, and
-      the mean too.
+      and error feedback corrects the buffer in place; with error feedback a
+      bucket of few leaves is padded in the addition instead,
+      :func:`_corrected`); ``None``: ``bucket.size``. The residual stays
+      ``f32[bucket.size]``, and the mean too.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_order: ``None`` (reverse tree order) or the tree positions of the
