@@ -97,7 +97,7 @@ def test_the_last_chunk_s_padding_is_corrected_in_place():
   writes over it: no second buffer of the bucket (on XLA:CPU new memory on every
   step, whose pages fault in), as when the padding was fused into the addition."""
   params = {f"w{i}": jnp.zeros((500, 333 + i)) for i in range(12)}  # 12 leaves, a partial chunk
-  n = sum(500 * (333 + i) for i in range(12))
+  n = sum(x.size for x in jax.tree.leaves(params))
   tx = jaxcomp.sparseloco(0.001, "data")
   mesh = training.make_mesh(1)
   state = training.init_state(tx, params, mesh, "data")

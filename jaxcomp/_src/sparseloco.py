@@ -138,8 +138,8 @@ def sparseloco(
     del state
     n = ctx.bucket.size
     chunk, chunks, k = selection.chunks(n, chunk_size, density)
-    padded = selection.chunked(corrected, chunk, chunks).reshape(-1)
-    codes, positions, levels, values = encode(padded, chunk, k)
+    # ``corrected`` comes padded to whole chunks (``padded_length``).
+    codes, positions, levels, values = encode(corrected, chunk, k)
     # Codes and positions as bytes, beside the magnitudes as they go on the
     # wire (divided by P, NaN when this device's gradient is not finite).
     gathered = ctx.allgather(  # [P, chunks, bytes]
@@ -160,7 +160,7 @@ def sparseloco(
         received=gathered)
 
     def kept():
-      return error_decay * padded.at[selection.flat_positions(positions, chunk)].add(
+      return error_decay * corrected.at[selection.flat_positions(positions, chunk)].add(
           -values, mode="drop")[:n]
 
     return protocol.Output(mean=mean, residual=kept, witness=all_levels)
