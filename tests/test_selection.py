@@ -367,6 +367,30 @@ def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
   _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
 
 
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("equal", [False, True])  # equal magnitudes: the fallback branch
+def test_exact_topk_fills_k_of_its_slots(traced, equal):
+  """The top k in the first k of ``capacity`` slots, index order; the rest empty."""
+  n, capacity, k = 8192, 64, 40
+  x = np.ones(n, np.float32) if equal else _normal(n, 6)
+  if equal:
+    x[[5, 700, 7000]] = 3.0
+  select = jax.jit(lambda x, k: selection.exact_topk(x, capacity, k=k),
+                   static_argnums=() if traced else 1)
+  values, indices = select(jnp.asarray(x), k)
+  _assert_same_as_lax_top_k(x, k, values[:k], indices[:k])
+  assert np.all(np.asarray(indices[k:]) == EMPTY) and not np.any(np.asarray(values[k:]))
+
+
+def test_shared_length_pads_on_the_exact_route_only():
+  cpu, gpu = selection.tuning_for("cpu"), selection.tuning_for("gpu")
+  big = cpu.exact_min_size
+  assert selection.shared_length(big + 1, 1000, cpu) == -(-(big + 1) // 1000) * 1000
+  assert selection.shared_length(big - 1, 1000, cpu) == big - 1  # lax.top_k's route
+  assert selection.shared_length(big + 1, 1000, gpu) == big + 1
+  assert selection.shared_length(3000, 1000, selection.Tuning(exact_min_size=2000)) == 3000
+
+
 def test_exact_topk_of_everything_is_every_index():
   x = _normal(100, 6)
   values, indices = jax.jit(lambda x: selection.exact_topk(x, 100))(jnp.asarray(x))

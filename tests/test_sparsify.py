@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from jaxcomp._src import dense
+from jaxcomp._src import protocol
 from jaxcomp._src import selection
 from jaxcomp._src import sparsify
 from jaxcomp import training
@@ -429,5 +430,33 @@ def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
         out, state = jax.block_until_ready(step(g, state))
       results.append(jax.tree.leaves((out, state)))
     assert programs[0] != programs[1]  # two routes were compiled
+    for a, b in zip(*results):
+      harness.assert_bitwise_equal(a, b)
+
+
+def test_buckets_of_about_one_size_select_in_one_shape_exactly(mesh8, monkeypatch):
+  """With buckets, topk and gtopk zero-pad each bucket on the exact route to a
+  multiple of a 16th of the cap: buckets of about one size share the selection's
+  length (one compiled shape), and everything is as through lax.top_k on the
+  unpadded buckets, bit for bit, over two steps (residuals included)."""
+  cap_mb = 0.1  # 26,214 f32 entries: every leaf closes its bucket; a 16th is 1,638
+  shapes = {"a": (27_000,), "b": (26_500,), "c": (28_000,)}
+  grads = [device_grads(8, seed=s, shapes=shapes) for s in (4, 5)]
+  for name in ("topk", "gtopk"):
+    results, lengths = [], []
+    for exact_min_size in (20_000, None):  # exact_topk on padded buckets, then lax.top_k
+      monkeypatch.setattr(selection, "tuning_for",
+                          lambda backend=None, size=exact_min_size: selection.Tuning(
+                              exact_min_size=size))
+      tx = getattr(sparsify, name)(0.01, "data", bucket_cap_mb=cap_mb)
+      spec = protocol.spec(tx)
+      lengths.append([spec.method.flat_length(b, 8) for b in spec.fused.plan(params_like(shapes))])
+      state = training.init_state(tx, params_like(shapes), mesh8, "data")
+      step = harness.step_fn(tx, mesh8)
+      for g in grads:
+        out, state = jax.block_until_ready(step(g, state))
+      results.append(jax.tree.leaves((out, state)))
+    # Reverse tree order: c, b, a; b and a round up to 17 sixteenths, c to 18.
+    assert lengths == [[18 * 1638, 17 * 1638, 17 * 1638], [28_000, 26_500, 27_000]]
     for a, b in zip(*results):
       harness.assert_bitwise_equal(a, b)

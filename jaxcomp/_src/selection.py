@@ -496,15 +496,15 @@ def exact_sample_ratio(n: int, capacity: int, tuning: Optional[Tuning] = None) -
 
 def exact_topk(
     x: jax.Array, capacity: int, key=None, sample_ratio=None,
-    tuning: Optional[Tuning] = None,
+    tuning: Optional[Tuning] = None, k: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """The entries ``lax.top_k(|x|, capacity)`` selects, found by a sampled threshold.
+  """The entries ``lax.top_k(|x|, k)`` selects, found by a sampled threshold.
 
   Steps 1 and 2 of :func:`sampled_topk` (a threshold from a sample, one pass
   compacting the entries above it into ``candidate_factor * capacity``
-  slots), then the ``capacity`` largest candidates. Whenever the count above
-  the threshold is at least ``capacity`` and fits the buffer, every entry
-  larger than the ``capacity``-th largest is a candidate, so these are the
+  slots), then the ``k`` largest candidates. Whenever the count above
+  the threshold is at least ``k`` and fits the buffer, every entry
+  larger than the ``k``-th largest is a candidate, so these are the
   exact top-k; otherwise (a sample that missed, or many equal magnitudes)
   it falls back to a radix search over the whole of ``x``
   (:func:`_topk_by_radix`), under a ``lax.cond`` with no collective inside.
@@ -520,15 +520,20 @@ def exact_topk(
     sample_ratio: share of ``x`` sampled, in (0, 1); by default
       :func:`exact_sample_ratio`.
     tuning: the tunables (:class:`Tuning`).
+    k: how many to select, ``1 <= k <= capacity`` (static or traced; by
+      default ``capacity``): callers whose buckets differ in ``k`` select in
+      one shape (:func:`shared_length`).
 
   Returns:
-    ``(values [capacity], int32 indices [capacity])`` in increasing index
-    order: the set of :func:`select_topk` (for a finite ``x``), every slot
-    filled.
+    ``(values [capacity], int32 indices [capacity])``: the set of
+    :func:`select_topk` (for a finite ``x``) in its first ``k`` slots, in
+    increasing index order; slots past ``k`` hold value 0 and index
+    ``collectives.EMPTY_INDEX``.
   """
   n = x.shape[0]
-  if capacity >= n:
+  if capacity >= n and (k is None or (isinstance(k, int) and k >= n)):
     return x, jnp.arange(n, dtype=jnp.int32)
+  k = capacity if k is None else k
   tuning = tuning or Tuning()
   key = jax.random.key(0) if key is None else key
   if sample_ratio is None:
@@ -537,9 +542,9 @@ def exact_topk(
   index, total = threshold_candidates(x, capacity, key, sample_ratio, candidates, tuning)
 
   return lax.cond(
-      (total >= capacity) & (total <= candidates),
-      lambda: _largest_candidates(x, index, total, capacity, capacity),
-      lambda: _topk_by_radix(x, capacity))
+      (total >= k) & (total <= candidates),
+      lambda: _largest_candidates(x, index, total, k, capacity),
+      lambda: _topk_by_radix(x, capacity, k))
 
 
 def _topk_by_radix(x: jax.Array, capacity: int, k=None,
@@ -590,9 +595,9 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
 
 
 def topk(
-    x: jax.Array, capacity: int, tuning: Optional[Tuning] = None
+    x: jax.Array, capacity: int, tuning: Optional[Tuning] = None, k: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """The entries ``lax.top_k(|x|, capacity)`` selects, by the backend's fastest route.
+  """The entries ``lax.top_k(|x|, k)`` selects, by the backend's fastest route.
 
   :func:`exact_topk` on buckets of at least ``tuning.exact_min_size``
   entries (on CPU, 4M), ``lax.top_k`` otherwise and on GPU and TPU (the
@@ -601,16 +606,40 @@ def topk(
 
   Args:
     x: ``f32[n]``.
-    capacity: static count, ``1 <= capacity <= n``.
+    capacity: static count of slots, ``1 <= capacity <= n``.
     tuning: the tunables; by default those of the backend tracing the call.
+    k: how many to select, ``1 <= k <= capacity``; by default ``capacity``.
 
   Returns:
-    ``(values [capacity], int32 indices [capacity])``.
+    ``(values [capacity], int32 indices [capacity])``, the selected in the
+    first ``k`` slots; slots past ``k`` hold value 0 and index
+    ``collectives.EMPTY_INDEX``.
   """
   tuning = tuning_for() if tuning is None else tuning
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
-    return exact_topk(x, capacity, tuning=tuning)
-  return select_topk(x, capacity)
+    return exact_topk(x, capacity, tuning=tuning, k=k)
+  return select_topk(x, capacity, k)
+
+
+def shared_length(n: int, granule: int, tuning: Optional[Tuning] = None) -> int:
+  """The length a bucket of ``n`` entries is zero-padded to before :func:`topk`.
+
+  Where :func:`topk` takes the exact route (:func:`exact_topk`, on CPU from
+  ``tuning.exact_min_size`` entries on), ``n`` rounded up to a multiple of
+  ``granule``, else ``n``. Buckets of about one size then select in one shape
+  (the same length, and the same capacity when the caller derives it from
+  the length and passes each bucket's ``k``), and XLA:CPU compiles a kernel
+  once for all its copies of one shape: ResNet-50's three buckets of 6.56M to
+  6.83M entries (25 MiB buckets, ``granule`` a 16th of the cap) share one
+  selection, and top-k's step compiles in 5.6 s where it took 8.1 s, in one
+  process. The padding is zeros, which rank below every entry of the bucket
+  (ties go to the lower index), so the selection is unchanged; it costs
+  passes over at most ``granule`` more entries.
+  """
+  tuning = tuning_for() if tuning is None else tuning
+  if tuning.exact_min_size is None or n < tuning.exact_min_size:
+    return n
+  return -(-n // granule) * granule
 
 
 def chunks(n: int, chunk_size: int, density: float) -> tuple[int, int, int]:

@@ -126,7 +126,7 @@ def topk(
 
   def step(ctx, corrected, state):
     del state
-    values, indices = selection.topk(corrected, checks.num_selected(density, ctx.bucket.size))
+    values, indices = _select(corrected, density, ctx.bucket.size)
     all_values, all_indices = ctx.sparse_allgather(values, indices)
     return protocol.Output(
         mean=protocol.Later.densified(all_values, all_indices, ctx.bucket.size,
@@ -143,7 +143,7 @@ def topk(
                                error_feedback=use_residual, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=TopKState, step=step, wire=wire_cost,
       error_feedback=use_residual, payload_carries_nonfinite=True,
-      bucket_cap_mb=bucket_cap_mb))
+      bucket_cap_mb=bucket_cap_mb, flat_length=_shared_length(bucket_cap_mb)))
 
 
 # ------------------------------------------------------------------ gtopk
@@ -200,7 +200,7 @@ def gtopk(
   def step(ctx, corrected, state):
     del state
     k = checks.num_selected(density, ctx.bucket.size)
-    values, indices = selection.topk(corrected, k)
+    values, indices = _select(corrected, density, ctx.bucket.size)
     global_values, global_indices = ctx.gtopk(values, indices, k)
     # Put-back: membership by one sort of both index sets (2k entries), not an
     # n-sized mask: a local index is in the global set where it follows its
@@ -226,7 +226,33 @@ def gtopk(
       name="gtopk", config=dict(density=density, axis_name=axis_name,
                                 bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=GTopKState, step=step, wire=wire_cost, error_feedback=True,
-      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb,
+      flat_length=_shared_length(bucket_cap_mb)))
+
+
+# Buckets are padded to a multiple of this share of the cap (_shared_length).
+_CAP_SHARE = 16
+
+
+def _shared_length(bucket_cap_mb: Optional[float]) -> Optional[Callable]:
+  """topk's and gtopk's ``flat_length``: with buckets, each bucket zero-padded to a
+  multiple of a 16th of the cap where the selection takes its exact route
+  (:func:`jaxcomp._src.selection.shared_length`), so that buckets of about the
+  cap's size select in one compiled shape; ``None`` (no padding) without."""
+  if bucket_cap_mb is None:
+    return None
+  granule = max(1, int(bucket_cap_mb * (1 << 20)) // 4 // _CAP_SHARE)
+  return lambda bucket, num_devices: selection.shared_length(bucket.size, granule)
+
+
+def _select(corrected: jax.Array, density: float, size: int) -> tuple[jax.Array, jax.Array]:
+  """The top ``k = max(1, ceil(density * size))`` of ``corrected[:size]``, ``corrected``
+  zero-padded to a shared length: selected in the capacity of that length (one shape
+  for every bucket of that length), then cut to ``k`` (values, int32 indices)."""
+  k = checks.num_selected(density, size)
+  capacity = checks.num_selected(density, corrected.shape[0])
+  values, indices = selection.topk(corrected, capacity, k=k)
+  return values[:k], indices[:k]
 
 
 # ------------------------------------------------------------------ randomk
