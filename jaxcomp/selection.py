@@ -9,6 +9,7 @@ from jaxcomp._src.selection import sampled_topk as sampled_topk
 from jaxcomp._src.selection import sample_size as sample_size
 from jaxcomp._src.selection import candidate_capacity as candidate_capacity
 from jaxcomp._src.selection import exact_sample_ratio as exact_sample_ratio
+from jaxcomp._src.selection import shared_length as shared_length
 from jaxcomp._src.selection import topk_per_row as topk_per_row
 
 __all__ = (
@@ -18,6 +19,7 @@ __all__ = (
     "sample_size",
     "sampled_topk",
     "select_topk",
+    "shared_length",
     "topk",
     "topk_per_row",
     "Tuning",

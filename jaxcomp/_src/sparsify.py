@@ -99,7 +99,11 @@ def topk(
     bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); ``k`` is then
-      ``max(1, ceil(density * n_b))`` of each bucket's ``n_b`` elements.
+      ``max(1, ceil(density * n_b))`` of each bucket's ``n_b`` elements (a
+      bucket large enough for the exact search on CPU is selected in a
+      buffer zero-padded to a multiple of a 16th of the cap
+      (:func:`jaxcomp.selection.shared_length`), so that
+      buckets of about one size compile one selection).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`TopKState`, whose
@@ -174,7 +178,8 @@ def gtopk(
     bucket_cap_mb: ``None`` (one bucket, the default) or the MiB of gradient
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); each bucket keeps
-      its own global ``k = max(1, ceil(density * n_b))``.
+      its own global ``k = max(1, ceil(density * n_b))``, its local top-k
+      selected as :func:`topk`'s.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`GTopKState`.
