@@ -34,6 +34,7 @@ from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
 from jaxcomp._src import backward
+from jaxcomp._src import selection
 
 import harness
 
@@ -472,6 +473,41 @@ def test_the_fsdp_step_s_buckets_are_pipelined_too(name):
   read = wire.collective_bytes(compiled, mesh_shape=dict(mesh.shape)).by_axes
   assert read == wire.tally(training.fsdp_transfers(tx, PARAMS, dict(mesh.shape),
                                                     "dcn", "ici")).by_axes
+
+
+@pytest.mark.parametrize("layout", ["hierarchical", "fsdp"])
+def test_shared_selection_lengths_keep_the_bits_in_every_layout(layout, monkeypatch):
+  """gTop-k's buckets zero-padded for the exact search (here from 100 entries on,
+  to multiples of 9: the shards' buckets of 242 and 262 entries to 243 and 270)
+  train as through lax.top_k unpadded, bit for bit over two steps, in the
+  hierarchy and in the FSDP step."""
+  mesh = training.make_mesh((2, 4), ("dcn", "ici"))
+  batch = training.shard(_batch(8), mesh, ("dcn", "ici"))
+  results = []
+  for exact_min_size in (100, None):
+    monkeypatch.setattr(selection, "tuning_for",
+                        lambda backend=None, size=exact_min_size: selection.Tuning(
+                            exact_min_size=size))
+    # At density 0.5 the padded length's capacity exceeds k (122 against 121 slots).
+    inner = _build("gtopk", "dcn", bucket_cap_mb=CAP_MB / 4, density=0.5)
+    spec = protocol.spec(inner)
+    lengths = [spec.method.flat_length(b, 2)
+               for b in spec.fused.plan(training.shard_shapes(PARAMS, 4))]
+    tx = jaxcomp.hierarchical(inner, "ici", 4) if layout == "hierarchical" else inner
+    chain = optax.chain(tx, optax.sgd(0.1))
+    if layout == "fsdp":
+      step = training.make_fsdp_step(loss_fn, chain, mesh, "dcn", "ici", PARAMS, donate=False)
+      params = training.shard_params(PARAMS, mesh, "ici")
+      state = training.init_fsdp_state(chain, PARAMS, mesh, "dcn", "ici")
+    else:
+      step = training.make_step(loss_fn, chain, mesh, ("dcn", "ici"), donate=False)
+      params, state = PARAMS, training.init_state(chain, PARAMS, mesh, ("dcn", "ici"))
+    for _ in range(2):
+      params, state = jax.block_until_ready(step(params, state, batch))[:2]
+    results.append((lengths, jax.tree.leaves((params, state))))
+  assert results[0][0] == [243, 270, 144] and results[1][0] == [242, 262, 144]
+  for got, want in zip(results[0][1], results[1][1]):
+    harness.assert_bitwise_equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
