@@ -438,7 +438,8 @@ def test_buckets_of_about_one_size_select_in_one_shape_exactly(mesh8, monkeypatc
   """With buckets, topk and gtopk zero-pad each bucket on the exact route to a
   multiple of a 16th of the cap: buckets of about one size share the selection's
   length (one compiled shape), and everything is as through lax.top_k on the
-  unpadded buckets, bit for bit, over two steps (residuals included)."""
+  unpadded buckets, bit for bit, over two steps (residuals included), and the
+  bytes are the formula's."""
   cap_mb = 0.1  # 26,214 f32 entries: every leaf closes its bucket; a 16th is 1,638
   shapes = {"a": (27_000,), "b": (26_500,), "c": (28_000,)}
   grads = [device_grads(8, seed=s, shapes=shapes) for s in (4, 5)]
@@ -453,6 +454,9 @@ def test_buckets_of_about_one_size_select_in_one_shape_exactly(mesh8, monkeypatc
       lengths.append([spec.method.flat_length(b, 8) for b in spec.fused.plan(params_like(shapes))])
       state = training.init_state(tx, params_like(shapes), mesh8, "data")
       step = harness.step_fn(tx, mesh8)
+      # Each bucket sends its own k, not the padded capacity.
+      read = wire.collective_bytes(step.lower(grads[0], state).compile())
+      assert read.total == wire.expected_bytes(tx, params_like(shapes), 8).total
       for g in grads:
         out, state = jax.block_until_ready(step(g, state))
       results.append(jax.tree.leaves((out, state)))
