@@ -616,6 +616,8 @@ def topk(
     ``collectives.EMPTY_INDEX``.
   """
   tuning = tuning_for() if tuning is None else tuning
+  if isinstance(k, int) and k == capacity:
+    k = None  # every slot: no mask in the program
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
     return exact_topk(x, capacity, tuning=tuning, k=k)
   return select_topk(x, capacity, k)
