@@ -587,10 +587,11 @@ def _corrected_runs(bucket: fusion.Bucket, runs: Sequence[int], updates: optax.U
   (``f32[bucket.size]``; ``None`` without error feedback): the same values
   as the whole bucket's, element by element. XLA:CPU fuses a concatenation
   of a few leaves into the add that follows it
-  (:data:`jaxcomp._src.fusion.FUSED_CONCATENATION`, 8 on jax 0.10.2), and a matrix product then reads the run where it
-  lies; the whole bucket's concatenation (161 leaves on ResNet-50) is a copy
-  of its own that the add reads back, and a run cut from it a copy again for
-  its product: 4 passes over the gradient more.
+  (:data:`jaxcomp._src.fusion.FUSED_CONCATENATION`, 8 on jax 0.10.2), and a
+  matrix product then reads the run where it lies; the whole bucket's
+  concatenation (161 leaves on ResNet-50) is a copy of its own that the add
+  reads back, and a run cut from it a copy again for its product: 4 passes
+  over the gradient more.
   """
   if sum(runs) != len(bucket.leaves) or any(r < 0 for r in runs):
     raise ValueError(f"a method's runs {tuple(runs)} must cut the bucket's"
