@@ -57,6 +57,22 @@ def test_mean_and_residual_equal_the_numpy_oracle(params, chunk_size, density):
   np.testing.assert_allclose(mean, (total @ d).reshape(-1)[:n], rtol=1e-4, atol=1e-5)
 
 
+def test_the_transform_selected_block_by_block_gives_the_same_bits(monkeypatch):
+  """The DCT and its selection by blocks of rows (:func:`selection.topk_per_row_of_product`,
+  here 2 rows of chunks at a time) against the whole product: mean and residuals bit
+  for bit over 25 chunks of 8, the last one partial, and the padding with the fused
+  gradient (``flat_length``)."""
+  tx = jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9)
+  assert fusion.Bucket.of(WIDE).size == 199
+  whole = harness.one_step_of_normal_gradients(tx, WIDE, 3)
+  cpu = selection.tuning_for("cpu")
+  monkeypatch.setitem(selection._BY_BACKEND, "cpu", cpu._replace(product_rows=2))
+  by_blocks = harness.one_step_of_normal_gradients(
+      jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9), WIDE, 3)
+  for got, want in zip(by_blocks, whole):
+    harness.assert_bitwise_equal(got, want)
+
+
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.example(devices=1, chunks=3, chunk=40, share=0.0, seed=0)  # 1 term: rows
 @hypothesis.example(devices=3, chunks=2, chunk=8, share=0.5, seed=1)  # 12 terms: product

@@ -41,10 +41,12 @@ def test_backend_defaults_are_the_documented_ones():
   assert selection.tuning_for("cpu").exact_min_size == 1 << 22
   assert selection.tuning_for("cpu").row_block == 32
   assert selection.tuning_for("cpu").argmax_k == 8
+  assert selection.tuning_for("cpu").product_rows == 4096
   assert selection.tuning_for("cpu").sampled
   for backend in ("gpu", "cuda", "rocm", "tpu"):
     assert selection.tuning_for(backend).exact_min_size is None
     assert selection.tuning_for(backend).row_block is None
+    assert selection.tuning_for(backend).product_rows is None
     assert selection.tuning_for(backend).argmax_k == 1
     assert not selection.tuning_for(backend).sampled
   assert selection.tuning_for() == selection.tuning_for(jax.default_backend())
@@ -484,6 +486,39 @@ def test_every_route_per_row_is_top_k_order(seed, bad, k, width, row_block, argm
   want = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
   np.testing.assert_array_equal(np.asarray(positions), want)
   harness.assert_bitwise_equal(np.asarray(values), np.take_along_axis(x, want, axis=1))
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**16), rows=st.integers(1, 90),
+                  block=st.sampled_from([3, 4, 7]), k=st.sampled_from([1, 2, 5]))
+def test_a_product_selected_block_by_block_is_the_whole_product_s_selection(seed, rows, block,
+                                                                          k):
+  """``topk_per_row_of_product`` in blocks of ``product_rows`` rows (from 8 blocks on,
+  the last block overlapping the one before) selects the bits of ``topk_per_row`` of
+  the whole product: a row's product does not depend on the rows beside it. Rows
+  hold NaN, inf and ties; below 8 blocks' rows the program holds no loop."""
+  rng = np.random.default_rng(seed)
+  x = rng.integers(-3, 4, size=(rows, 24)).astype(np.float32) * rng.normal(size=(rows, 1))
+  x[rng.integers(0, rows, 3), rng.integers(0, 24, 3)] = np.nan
+  x[rng.integers(0, rows, 3), rng.integers(0, 24, 3)] = np.inf
+  x = x.astype(np.float32)
+  matrix = rng.normal(size=(24, 16)).astype(np.float32)
+  whole = selection.Tuning(product_rows=None)
+  by_blocks = selection.Tuning(product_rows=block)
+  select = lambda tuning: jax.jit(  # noqa: E731
+      lambda x, m: selection.topk_per_row_of_product(x, m, k, tuning))
+  want = select(whole)(x, matrix)
+  got = select(by_blocks)(x, matrix)
+  for g, w in zip(got, want):
+    harness.assert_bitwise_equal(np.asarray(g), np.asarray(w))
+  loops = harness.control_flow(select(by_blocks).lower(x, matrix).compile().as_text())
+  assert loops["while"] == (1 if rows >= 8 * block else 0)
+
+
+def test_product_rows_is_refused_by_name():
+  with pytest.raises(ValueError, match="`tuning.product_rows` must be None or an int >= 1"):
+    selection.topk_per_row_of_product(jnp.zeros((3, 4)), jnp.zeros((4, 4)), 1,
+                                      selection.Tuning(product_rows=0))
 
 
 @pytest.mark.parametrize("k, tuning, message", [

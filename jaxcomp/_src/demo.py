@@ -6,7 +6,6 @@ from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import optax
 
@@ -168,20 +167,17 @@ def demo(
     # magnitude, so that any finite gradient has finite coefficients.
     basis = dct_matrix(chunk)
     forward, inverse = basis / np.sqrt(chunk), basis * np.sqrt(chunk)
-    # Materialised once, behind a barrier: the padding fused into error
-    # feedback's addition, read by the transform and by the residual (XLA
-    # would otherwise form it twice, once in each layout).
-    blocks = lax.optimization_barrier(selection.chunked(corrected, chunk, chunks))
-    coefficients, positions = selection.topk_per_row(blocks @ forward.T, k)
+    # ``corrected`` comes padded to whole chunks (``flat_length``).
+    coefficients, positions = selection.topk_per_row_of_product(
+        corrected.reshape(chunks, chunk), forward.T, k)
     values = ctx.send(coefficients)
     gathered_values, gathered_positions = collectives.allgather(values, ctx.axes), ctx.allgather(
         positions.astype(jnp.uint8))
     mean = inverse_per_leaf(gathered_values, gathered_positions, inverse, ctx.bucket)
 
     def kept():
-      # From the padded chunks, not ``corrected``: no second buffer of it.
       sent = inverse_of_sparse(coefficients, positions, inverse)
-      return error_decay * (blocks.reshape(-1) - sent)[:n]
+      return error_decay * (corrected - sent)[:n]
 
     return protocol.Output(mean=mean, residual=kept, witness=gathered_values)
 
@@ -196,4 +192,5 @@ def demo(
       config=dict(density=density, axis_name=axis_name, chunk_size=chunk_size,
                   error_decay=error_decay, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=DeMoState, step=step, wire=wire_cost, error_feedback=True,
-      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb,
+      flat_length=selection.chunked_length(chunk_size, density)))

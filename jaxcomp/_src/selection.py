@@ -69,6 +69,9 @@ class Tuning(NamedTuple):
     row_block: :func:`topk_per_row` finds each row's ``k`` largest among
       the entries of the ``k`` blocks of this many entries with the largest
       maxima (``None``: ``lax.top_k`` over the whole row).
+    product_rows: :func:`topk_per_row_of_product` forms its product this
+      many rows at a time and selects in each block at once (``None``: the
+      whole product, then the selection).
     argmax_k: :func:`topk_per_row` finds each row's ``k`` largest by ``k``
       argmax reductions, each blind to the entries found before it, while
       ``k`` is at most this and the blocks do not apply (at least 1: ``k =
@@ -89,15 +92,17 @@ class Tuning(NamedTuple):
   exact_sample_above: int = 256
   exact_sample_max: float = 0.25
   row_block: Optional[int] = 32
+  product_rows: Optional[int] = 4096
   argmax_k: int = 8
   sampled: bool = True
 
 
 # The CPU default switches to exact_topk where its one pass beats lax.top_k
-# (large buckets), ranks rows by blocks or by successive argmaxes and samples
-# DGC's threshold; GPUs and TPUs keep lax.top_k (bench_selection.py,
-# bench_compression_gpu.md).
-_ACCELERATOR = Tuning(exact_min_size=None, row_block=None, argmax_k=1, sampled=False)
+# (large buckets), ranks rows by blocks or by successive argmaxes, selects in a
+# product block by block and samples DGC's threshold; GPUs and TPUs keep
+# lax.top_k and whole products (bench_selection.py, bench_compression_gpu.md).
+_ACCELERATOR = Tuning(exact_min_size=None, row_block=None, product_rows=None, argmax_k=1,
+                      sampled=False)
 _BY_BACKEND = {"cpu": Tuning(), "gpu": _ACCELERATOR, "cuda": _ACCELERATOR,
                "rocm": _ACCELERATOR, "tpu": _ACCELERATOR}
 
@@ -655,9 +660,20 @@ def chunks(n: int, chunk_size: int, density: float) -> tuple[int, int, int]:
   return chunk, -(-n // chunk), checks.num_selected(density, chunk)
 
 
-def chunked(x: jax.Array, chunk: int, count: int) -> jax.Array:
-  """A flat ``x`` zero-padded to ``count * chunk`` entries, one chunk per row: ``[count, chunk]``."""
-  return jnp.pad(x, (0, count * chunk - x.shape[0])).reshape(count, chunk)
+def chunked_length(chunk_size: int, density: float) -> Callable:
+  """A chunked method's ``flat_length`` (:attr:`jaxcomp.protocol.Method.flat_length`):
+  its bucket padded to whole chunks (:func:`chunks`).
+
+  The last chunk's zeros then come with the fused gradient, which error
+  feedback corrects in place: no second buffer of the bucket for the padding.
+  """
+
+  def length(bucket, num_devices: int) -> int:
+    del num_devices
+    chunk, count, _ = chunks(bucket.size, chunk_size, density)
+    return chunk * count
+
+  return length
 
 
 def topk_per_row(rows: jax.Array, k: int,
@@ -696,6 +712,53 @@ def topk_per_row(rows: jax.Array, k: int,
   else:
     _, positions = lax.top_k(_as_magnitude(key), k)
   return jnp.take_along_axis(rows, positions, axis=1), positions
+
+
+# topk_per_row_of_product loops over products of at least this many blocks: a
+# smaller one is a few MiB, where the loop's own kernels cost more than the
+# buffer (DeMo's 64-wide rows, alone in a program on XLA:CPU: 16,533 rows in
+# 1.7 ms whole, 3.0 ms by blocks of 4,096; 399,329 rows in 80 ms whole, 53 ms
+# by blocks).
+_PRODUCT_BLOCKS = 8
+
+
+def topk_per_row_of_product(rows: jax.Array, matrix: jax.Array, k: int,
+                            tuning: Optional[Tuning] = None) -> tuple[jax.Array, jax.Array]:
+  """:func:`topk_per_row` of ``rows @ matrix`` (``[m, w]`` and ``[w, v]``), the product
+  never written out whole.
+
+  With ``tuning.product_rows`` (on CPU by default) and at least
+  :data:`_PRODUCT_BLOCKS` times as many rows, a loop forms the product of
+  that many rows at a time and selects in it while it is in cache; the last
+  block ends at row ``m`` and so selects again some rows of the one before,
+  alike. A row's product does not depend on the rows beside it, so the bits
+  are those of the whole product. On XLA:CPU the whole product is a buffer of
+  ``m v`` entries, new memory every step, written once and read back: with
+  the loop (and its padding in the fused gradient, :func:`chunked_length`)
+  DeMo's step on ResNet-50 reads and writes 8.2 gradients' worth of memory
+  where it read and wrote 11.3, and allocates 2.0 gradients' worth anew
+  where it allocated 3.0.
+
+  Returns ``(values [m, k], int32 positions [m, k])`` as :func:`topk_per_row`.
+  """
+  tuning = tuning_for() if tuning is None else tuning
+  block = tuning.product_rows
+  if block is not None and not (isinstance(block, int) and block >= 1):
+    raise ValueError(f"`tuning.product_rows` must be None or an int >= 1, got {block!r}")
+  count = rows.shape[0]
+  if block is None or count < _PRODUCT_BLOCKS * block:
+    return topk_per_row(rows @ matrix, k, tuning)
+
+  def select(i, found):
+    values, positions = found
+    start = jnp.minimum(i * block, count - block)
+    part = lax.dynamic_slice_in_dim(rows, start, block)
+    part_values, part_positions = topk_per_row(part @ matrix, k, tuning)
+    return (lax.dynamic_update_slice_in_dim(values, part_values, start, 0),
+            lax.dynamic_update_slice_in_dim(positions, part_positions, start, 0))
+
+  empty = (jnp.zeros((count, k), rows.dtype), jnp.zeros((count, k), jnp.int32))
+  return lax.fori_loop(0, -(-count // block), select, empty)
 
 
 def _topk_per_row_by_argmax(key: jax.Array, k: int) -> jax.Array:
@@ -746,6 +809,6 @@ def _topk_per_row_by_blocks(key: jax.Array, k: int, block: int) -> jax.Array:
 
 def flat_positions(positions: jax.Array, chunk: int) -> jax.Array:
   """Positions inside each row of ``[..., m, k]`` (any int dtype) as int32 positions in the
-  flat ``m * chunk`` layout of :func:`chunked`."""
+  flat ``m * chunk`` layout, row after row (:func:`chunked_length`)."""
   starts = jnp.arange(positions.shape[-2], dtype=jnp.int32)[:, None] * chunk
   return positions.astype(jnp.int32) + starts

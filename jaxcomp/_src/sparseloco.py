@@ -138,7 +138,7 @@ def sparseloco(
     del state
     n = ctx.bucket.size
     chunk, chunks, k = selection.chunks(n, chunk_size, density)
-    # ``corrected`` comes padded to whole chunks (``padded_length``).
+    # ``corrected`` comes padded to whole chunks (``flat_length``).
     codes, positions, levels, values = encode(corrected, chunk, k)
     # Codes and positions as bytes, beside the magnitudes as they go on the
     # wire (divided by P, NaN when this device's gradient is not finite).
@@ -169,16 +169,10 @@ def sparseloco(
     del steps
     return wire.allgather(message_bytes(bucket.size, chunk_size, density), sizes)
 
-  def padded_length(bucket, num_devices):
-    # The last chunk's padding comes with the fused gradient, which the
-    # correction then overwrites in place (no second buffer of the bucket).
-    del num_devices
-    chunk, chunks, _ = selection.chunks(bucket.size, chunk_size, density)
-    return chunk * chunks
-
   return protocol.compressor(protocol.Method(
       name="sparseloco",
       config=dict(density=density, axis_name=axis_name, chunk_size=chunk_size,
                   error_decay=error_decay, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=SparseLoCoState, step=step, wire=wire_cost, error_feedback=True,
-      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb, flat_length=padded_length))
+      payload_carries_nonfinite=True, bucket_cap_mb=bucket_cap_mb,
+      flat_length=selection.chunked_length(chunk_size, density)))
