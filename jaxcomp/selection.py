@@ -11,9 +11,12 @@ from jaxcomp._src.selection import candidate_capacity as candidate_capacity
 from jaxcomp._src.selection import exact_sample_ratio as exact_sample_ratio
 from jaxcomp._src.selection import shared_length as shared_length
 from jaxcomp._src.selection import topk_per_row as topk_per_row
+from jaxcomp._src.selection import topk_per_row_of_product as topk_per_row_of_product
+from jaxcomp._src.selection import chunked_length as chunked_length
 
 __all__ = (
     "candidate_capacity",
+    "chunked_length",
     "exact_sample_ratio",
     "exact_topk",
     "sample_size",
@@ -22,6 +25,7 @@ __all__ = (
     "shared_length",
     "topk",
     "topk_per_row",
+    "topk_per_row_of_product",
     "Tuning",
     "tuning_for",
 )
