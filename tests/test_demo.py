@@ -59,9 +59,11 @@ def test_mean_and_residual_equal_the_numpy_oracle(params, chunk_size, density):
 
 def test_the_transform_selected_block_by_block_gives_the_same_bits(monkeypatch):
   """The DCT and its selection by blocks of rows (:func:`selection.topk_per_row_of_product`,
-  here 2 rows of chunks at a time) against the whole product: mean and residuals bit
-  for bit over 25 chunks of 8, the last one partial, and the padding with the fused
-  gradient (``flat_length``)."""
+  here 2 rows of chunks at a time) against the whole product: mean and residuals
+  over 25 chunks of 8, the last one partial, with the padding that comes with the
+  fused gradient (``flat_length``). Within a float tolerance: the matrix product of
+  a block may sum in another order than the whole one's (the same bits on XLA:CPU
+  here); a position chosen differently would be far outside it."""
   tx = jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9)
   assert fusion.Bucket.of(WIDE).size == 199
   whole = harness.one_step_of_normal_gradients(tx, WIDE, 3)
@@ -70,7 +72,7 @@ def test_the_transform_selected_block_by_block_gives_the_same_bits(monkeypatch):
   by_blocks = harness.one_step_of_normal_gradients(
       jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9), WIDE, 3)
   for got, want in zip(by_blocks, whole):
-    harness.assert_bitwise_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @hypothesis.settings(max_examples=30, deadline=None)

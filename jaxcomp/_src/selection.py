@@ -731,13 +731,14 @@ def topk_per_row_of_product(rows: jax.Array, matrix: jax.Array, k: int,
   :data:`_PRODUCT_BLOCKS` times as many rows, a loop forms the product of
   that many rows at a time and selects in it while it is in cache; the last
   block ends at row ``m`` and so selects again some rows of the one before,
-  alike. A row's product does not depend on the rows beside it, so the bits
-  are those of the whole product. On XLA:CPU the whole product is a buffer of
-  ``m v`` entries, new memory every step, written once and read back: with
-  the loop (and its padding in the fused gradient, :func:`chunked_length`)
-  DeMo's step on ResNet-50 reads and writes 8.2 gradients' worth of memory
-  where it read and wrote 11.3, and allocates 2.0 gradients' worth anew
-  where it allocated 3.0.
+  alike. A row's product does not depend on the rows beside it, so the
+  values are those of the whole product, up to the order in which a matrix
+  product sums (the same bits on XLA:CPU for DeMo's 64-wide rows). On XLA:CPU
+  the whole product is a buffer of ``m v`` entries, new memory every step,
+  written once and read back: with the loop (and its padding in the fused
+  gradient, :func:`chunked_length`) DeMo's step on ResNet-50 reads and writes
+  8.2 gradients' worth of memory where it read and wrote 11.3, and allocates
+  2.0 gradients' worth anew where it allocated 3.0.
 
   Returns ``(values [m, k], int32 positions [m, k])`` as :func:`topk_per_row`.
   """
