@@ -516,6 +516,17 @@ def test_a_product_selected_block_by_block_is_the_whole_product_s_selection(seed
   assert loops["while"] == (1 if rows >= 8 * block else 0)
 
 
+def test_a_product_by_blocks_has_the_whole_product_s_dtype():
+  rows = jnp.arange(40 * 8, dtype=jnp.bfloat16).reshape(40, 8) % 5
+  matrix = jnp.eye(8, dtype=jnp.float32)
+  tuning = selection.Tuning(product_rows=4)
+  values, positions = selection.topk_per_row_of_product(rows, matrix, 2, tuning)
+  want_values, want_positions = selection.topk_per_row(rows @ matrix, 2, tuning)
+  assert values.dtype == want_values.dtype == jnp.float32
+  harness.assert_bitwise_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(positions), np.asarray(want_positions))
+
+
 def test_product_rows_is_refused_by_name():
   with pytest.raises(ValueError, match="`tuning.product_rows` must be None or an int >= 1"):
     selection.topk_per_row_of_product(jnp.zeros((3, 4)), jnp.zeros((4, 4)), 1,

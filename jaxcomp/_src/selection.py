@@ -758,7 +758,8 @@ def topk_per_row_of_product(rows: jax.Array, matrix: jax.Array, k: int,
     return (lax.dynamic_update_slice_in_dim(values, part_values, start, 0),
             lax.dynamic_update_slice_in_dim(positions, part_positions, start, 0))
 
-  empty = (jnp.zeros((count, k), rows.dtype), jnp.zeros((count, k), jnp.int32))
+  empty = (jnp.zeros((count, k), jnp.result_type(rows, matrix)),
+           jnp.zeros((count, k), jnp.int32))
   return lax.fori_loop(0, -(-count // block), select, empty)
 
 
