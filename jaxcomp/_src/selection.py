@@ -724,8 +724,8 @@ _PRODUCT_BLOCKS = 8
 
 def topk_per_row_of_product(rows: jax.Array, matrix: jax.Array, k: int,
                             tuning: Optional[Tuning] = None) -> tuple[jax.Array, jax.Array]:
-  """:func:`topk_per_row` of ``rows @ matrix`` (``[m, w]`` and ``[w, v]``), the product
-  never written out whole.
+  """:func:`topk_per_row` of ``rows @ matrix`` (``[m, w]`` and ``[w, v]``); on CPU, for
+  many rows, without writing the product out whole.
 
   With ``tuning.product_rows`` (on CPU by default) and at least
   :data:`_PRODUCT_BLOCKS` times as many rows, a loop forms the product of
