@@ -57,7 +57,7 @@ def test_mean_and_residual_equal_the_numpy_oracle(params, chunk_size, density):
   np.testing.assert_allclose(mean, (total @ d).reshape(-1)[:n], rtol=1e-4, atol=1e-5)
 
 
-def test_the_transform_selected_block_by_block_gives_the_same_bits(monkeypatch):
+def test_the_transform_selected_block_by_block_gives_the_same_step(monkeypatch):
   """The DCT and its selection by blocks of rows (:func:`selection.topk_per_row_of_product`,
   here 2 rows of chunks at a time) against the whole product: mean and residuals
   over 25 chunks of 8, the last one partial, with the padding that comes with the
