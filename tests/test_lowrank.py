@@ -13,6 +13,7 @@ import pytest
 from experiments import hlo_counts
 from experiments import shapes
 from jaxcomp._src import dense as dense_lib
+from jaxcomp._src import fusion
 from jaxcomp._src import lowrank
 from jaxcomp import protocol
 from jaxcomp import training
@@ -493,3 +494,55 @@ def test_no_finiteness_pass_over_the_corrected_gradient(factory):
   reductions = [row for row in hlo_counts.count(text, n).heaviest
                 if row[3].endswith("reduce_sum")]
   assert sum(row[0] for row in reductions) < 0.1, reductions
+
+
+# Six matrices in three groups and a bias: 16,448 entries, 257 rows of 64, and every
+# group's offset and columns a multiple of 64.
+WIDE = {"a": jnp.zeros((64, 128)), **{f"b{i}": jnp.zeros((32, 64)) for i in range(3)},
+        "c": jnp.zeros((16, 128)), "bias": jnp.zeros((64,))}
+
+
+def test_the_residual_is_written_in_rows_in_place():
+  """On CPU the residual's groups (``[count, rows, cols]`` pieces of ``M - P Q^T``) are
+  written over the old residual in place, in rows of 64 entries of it: the conditional
+  that keeps the step takes the buffer as ``[n / 64, 64]``, and no kernel copies it."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the conditional and its rows are XLA:CPU's form")
+  n = shapes.num_params(WIDE)
+  mesh = training.make_mesh(1)
+  for factory in (lowrank.powersgd, lowrank.acpsgd):
+    tx = factory(4, "data")
+    state = training.init_state(tx, WIDE, mesh, "data")
+    grads = training.stack_per_device(WIDE, mesh, "data")
+    text = training.make_update(tx, mesh, "data", donate=True).lower(
+        grads, state).compile().as_text()
+    writes = [line for line in text.splitlines() if "dynamic-update-slice(" in line]
+    assert writes and all(f"f32[{n // 64},64]" in line for line in writes), writes
+    copies = [line for line in text.splitlines()
+              if " copy(" in line and (f"f32[{n}]" in line or f"f32[{n // 64},64]" in line)]
+    assert not copies, copies
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_rows_write_the_residual_of_the_flat_write(name, monkeypatch):
+  """The residual, the factors and the mean after two steps on 8 devices, written in rows
+  of 64 and, with rows of one entry, flat: the same values (within a float tolerance:
+  the kernels that write them are other loops)."""
+  rows = harness.run_two_steps(FACTORIES[name], WIDE, *MESHES["1d"])
+  monkeypatch.setattr(fusion, "_ROW", 1)
+  flat = harness.run_two_steps(FACTORIES[name], WIDE, *MESHES["1d"])
+  for got, want in ((rows["outs"], flat["outs"]), (rows["states"][1:], flat["states"][1:])):
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+  assert np.asarray(rows["rows"][2].residual["a"]).any()
+
+
+def test_row_width():
+  """The largest power of two up to 64 that divides the length, the offsets and each
+  piece's last dimension; 1 when no piece has two dimensions."""
+  resnet = 25_557_032  # 8 times an odd number
+  assert fusion._row_width(resnet, (0, 4096), [(1, 64, 64), (3, 512, 2048)]) == 8
+  assert fusion._row_width(1 << 20, (0, 4096), [(1, 64, 64), (3, 512, 2048)]) == 64
+  assert fusion._row_width(1 << 20, (0, 4096), [(1, 64, 64), (1, 2048, 1000)]) == 8
+  assert fusion._row_width(1 << 20, (0, 4100), [(1, 64, 64), (3, 512, 2048)]) == 4
+  assert fusion._row_width(1 << 20 | 1, (0, 4096), [(1, 64, 64)]) == 1
+  assert fusion._row_width(1 << 20, (0, 4096), [(4096,), (512,)]) == 1

@@ -205,11 +205,13 @@ def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Arra
   holds, so that no kernel reads ``old`` to keep it: XLA:CPU writes a span
   in place only when the kernel reads nothing else of the buffer (a
   ``where`` between the new and the old values would copy the whole buffer
-  once per piece), and a ``where`` over ``f32[n]`` reads all of ``old``. An
-  ``f32[n]`` computed beforehand gets that ``where``: a branch would copy
-  it. Elsewhere the ``where`` is fused into each write (a conditional on
-  GPU reads its predicate on the host), its read of the old span a dynamic
-  slice at the write's own start, which XLA:GPU writes in place.
+  once per piece), and a ``where`` over ``f32[n]`` reads all of ``old``;
+  the conditional takes the buffer as rows that the pieces fill whole, where
+  they have several dimensions (:func:`_row_width`). An ``f32[n]`` computed
+  beforehand gets that ``where``: a branch would copy it. Elsewhere the
+  ``where`` is fused into each write (a conditional on GPU reads its
+  predicate on the host), its read of the old span a dynamic slice at the
+  write's own start, which XLA:GPU writes in place.
   ``keep=None``: always written.
   """
   if keep is None:
@@ -233,8 +235,59 @@ def _written(buffer: jax.Array, new) -> jax.Array:
   return buffer
 
 
+def _written_in_rows(rows: jax.Array, pieces: Pieces) -> jax.Array:
+  """``pieces`` written over ``rows``, a ``[n / w, w]`` view of the buffer (:func:`_row_width`)."""
+  width = rows.shape[1]
+  for offset, piece in zip(pieces.offsets, pieces.values):
+    rows = lax.dynamic_update_slice(rows, piece.reshape(-1, width), (offset // width, 0))
+  return rows
+
+
+# The widest row of :func:`_row_width`: a piece's loop runs as fast in rows of
+# 64 entries as in its own rows (4,608), 6.4x faster than flat (XLA:CPU).
+_ROW = 64
+
+
+def _row_width(length: int, offsets: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> int:
+  """Entries per row of the ``[length / w, w]`` view of a buffer of ``length`` in which
+  every piece (at ``offsets``, of ``shapes``) is whole rows: the largest power of two
+  up to 64 that divides the length, each offset and each piece's last dimension;
+  1 (the flat buffer) where no piece has two dimensions or more.
+
+  XLA:CPU writes a piece in place in one loop over the piece as the write
+  sees it. Flat, each entry of a piece with several dimensions (a group's
+  ``[count, rows, cols]`` of low-rank products) costs divisions for its
+  position and a gather from each factor: a ``[8, 512, 4608]`` piece of
+  ``M - P Q^T`` at rank 4 took 49 ms written flat, 22 ms in rows of 8 and 7.6
+  ms in rows of 64 (the same bits). The view must be the buffer's own
+  shape: a reshape inside the kernel that writes a piece makes XLA:CPU copy
+  the buffer.
+  """
+  if all(len(shape) < 2 for shape in shapes):
+    return 1
+  return math.gcd(length, _ROW, *offsets, *(shape[-1] if shape else 1 for shape in shapes))
+
+
 def _written_in_branch(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
-  return lax.cond(keep, lambda b: _written(b, _value(new)), lambda b: b, buffer)
+  offsets: list[int] = []
+
+  def values():
+    value = _value(new)
+    if not isinstance(value, Pieces):
+      return None
+    offsets.extend(value.offsets)
+    return value.values
+
+  shapes = jax.eval_shape(values)  # traced for the pieces' layout only
+  width = 1 if shapes is None else _row_width(buffer.shape[0], offsets,
+                                              [s.shape for s in shapes])
+
+  if width == 1:
+    return lax.cond(keep, lambda b: _written(b, _value(new)), lambda b: b, buffer)
+
+  # The view enters the conditional as its operand: a reshape outside every kernel.
+  return lax.cond(keep, lambda rows: _written_in_rows(rows, _value(new)), lambda rows: rows,
+                  buffer.reshape(-1, width)).reshape(-1)
 
 
 def _written_selected(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:

@@ -466,6 +466,10 @@ def _residual(runs: tuple[jax.Array, ...], p_factors: list[jax.Array],
   branch, 13.4 and 380 before it). It takes the runs flat, as they were made: a group of one leaf
   read as ``[1, rows, cols]`` here and as ``[rows, cols]`` by its products had
   its addition computed twice (8.9 passes and 348 kernels, against 9.5 and 357).
+  Each group's piece keeps its ``[count, rows, cols]`` shape, so that it is
+  written in rows of the buffer (:func:`jaxcomp._src.fusion.overwrite`): PowerSGD's
+  step on one device took 142 ms flat against 113 in rows of 8 (ResNet-50), 691
+  against 408 in rows of 64 (the transformer).
   """
   products = _products(p_factors, q_factors)
   offsets = itertools.accumulate((p.size for p in products[:-1]), initial=0)
