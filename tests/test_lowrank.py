@@ -496,7 +496,7 @@ def test_no_finiteness_pass_over_the_corrected_gradient(factory):
   assert sum(row[0] for row in reductions) < 0.1, reductions
 
 
-# Six matrices in three groups and a bias: 16,448 entries, 257 rows of 64, and every
+# Five matrices in three groups and a bias: 16,448 entries, 257 rows of 64, and every
 # group's offset and columns a multiple of 64.
 WIDE = {"a": jnp.zeros((64, 128)), **{f"b{i}": jnp.zeros((32, 64)) for i in range(3)},
         "c": jnp.zeros((16, 128)), "bias": jnp.zeros((64,))}
