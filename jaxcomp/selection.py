@@ -8,11 +8,11 @@ from jaxcomp._src.selection import exact_topk as exact_topk
 from jaxcomp._src.selection import sampled_topk as sampled_topk
 from jaxcomp._src.selection import sample_size as sample_size
 from jaxcomp._src.selection import candidate_capacity as candidate_capacity
+from jaxcomp._src.selection import chunked_length as chunked_length
 from jaxcomp._src.selection import exact_sample_ratio as exact_sample_ratio
 from jaxcomp._src.selection import shared_length as shared_length
 from jaxcomp._src.selection import topk_per_row as topk_per_row
 from jaxcomp._src.selection import topk_per_row_of_product as topk_per_row_of_product
-from jaxcomp._src.selection import chunked_length as chunked_length
 
 __all__ = (
     "candidate_capacity",

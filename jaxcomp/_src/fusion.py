@@ -228,19 +228,16 @@ def _value(new):
 
 
 def _written(buffer: jax.Array, new) -> jax.Array:
+  """``new`` written over ``buffer``: ``f32[n]``, or its ``[n / w, w]`` view in which each
+  piece is whole rows (:func:`_row_width`)."""
   if not isinstance(new, Pieces):
     return new
+  row = buffer.shape[1:]  # () for the flat buffer
+  width = math.prod(row)
   for offset, piece in zip(new.offsets, new.values):
-    buffer = lax.dynamic_update_slice(buffer, piece.reshape(-1), (offset,))
+    buffer = lax.dynamic_update_slice(buffer, piece.reshape((-1,) + row),
+                                      (offset // width,) + (0,) * len(row))
   return buffer
-
-
-def _written_in_rows(rows: jax.Array, pieces: Pieces) -> jax.Array:
-  """``pieces`` written over ``rows``, a ``[n / w, w]`` view of the buffer (:func:`_row_width`)."""
-  width = rows.shape[1]
-  for offset, piece in zip(pieces.offsets, pieces.values):
-    rows = lax.dynamic_update_slice(rows, piece.reshape(-1, width), (offset // width, 0))
-  return rows
 
 
 # The widest row of :func:`_row_width`: a piece's loop runs as fast in rows of
@@ -282,12 +279,9 @@ def _written_in_branch(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
   width = 1 if shapes is None else _row_width(buffer.shape[0], offsets,
                                               [s.shape for s in shapes])
 
-  if width == 1:
-    return lax.cond(keep, lambda b: _written(b, _value(new)), lambda b: b, buffer)
-
   # The view enters the conditional as its operand: a reshape outside every kernel.
-  return lax.cond(keep, lambda rows: _written_in_rows(rows, _value(new)), lambda rows: rows,
-                  buffer.reshape(-1, width)).reshape(-1)
+  view = buffer if width == 1 else buffer.reshape(-1, width)
+  return lax.cond(keep, lambda b: _written(b, _value(new)), lambda b: b, view).reshape(-1)
 
 
 def _written_selected(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
