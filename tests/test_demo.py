@@ -2,6 +2,7 @@
 
 import hypothesis
 from hypothesis import strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,7 +95,8 @@ def test_inverse_of_sparse_coefficients_sums_their_basis_rows(devices, chunks, c
     for c in range(chunks):
       for j in range(k):
         want[c] += float(values[d, c, j]) * inverse[positions[d, c, j]].astype(np.float64)
-  got = demo.inverse_of_sparse(jnp.asarray(values), jnp.asarray(positions), jnp.asarray(inverse))
+  got = jax.jit(demo.inverse_of_sparse)(jnp.asarray(values), jnp.asarray(positions),
+                                         jnp.asarray(inverse))
   # f32 sums of at most 3 * 40 products against float64.
   np.testing.assert_allclose(np.asarray(got).reshape(chunks, chunk), want, rtol=1e-4, atol=1e-4)
 
@@ -117,11 +119,13 @@ def test_inverse_per_leaf_cuts_the_inverse_into_the_leaves(devices, chunk, share
                         for _ in range(devices)]).astype(np.uint8)
   inverse = rng.normal(size=(chunk, chunk)).astype(np.float32)
   args = jnp.asarray(values), jnp.asarray(positions), jnp.asarray(inverse)
-  pieces = demo.inverse_per_leaf(*args, fusion.Bucket.of([jnp.zeros(c) for c in cuts]))
+  bucket = fusion.Bucket.of([jnp.zeros(c) for c in cuts])
+  pieces = jax.jit(demo.inverse_per_leaf, static_argnums=3)(*args, bucket)
   assert [p.shape for p in pieces] == [(c,) for c in cuts]
   # The same products summed in the same order (up to XLA's contraction into FMAs).
   np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in pieces]),
-                             np.asarray(demo.inverse_of_sparse(*args))[:n], rtol=1e-6, atol=1e-6)
+                             np.asarray(jax.jit(demo.inverse_of_sparse)(*args))[:n],
+                             rtol=1e-6, atol=1e-6)
 
 
 def test_message_bytes_follow_the_formula():

@@ -78,12 +78,18 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   rng = np.random.default_rng(residual_seed)
   bucket = fusion.Bucket.of(tree)
   residual = jnp.asarray(rng.normal(size=bucket.size), jnp.float32)
-  corrected = bucket.flatten(tree) + residual
   k = max(1, int(np.ceil(density * bucket.size)))
-  values, indices = selection.select_topk(corrected, k)
-  sent = collectives.densify(values, indices, bucket.size)
-  # What a sparsifier keeps: the corrected gradient with the sent entries zeroed.
-  new = fusion.overwrite(residual, error_feedback.absorb(bucket, error_feedback.zeroed(corrected, indices)))
+
+  @jax.jit
+  def step(tree, residual):
+    corrected = bucket.flatten(tree) + residual
+    values, indices = selection.select_topk(corrected, k)
+    sent = collectives.densify(values, indices, bucket.size)
+    # What a sparsifier keeps: the corrected gradient with the sent entries zeroed.
+    kept = error_feedback.absorb(bucket, error_feedback.zeroed(corrected, indices))
+    return corrected, sent, fusion.overwrite(residual, kept)
+
+  corrected, sent, new = step(tree, residual)
   assert new.shape == residual.shape
   np.testing.assert_array_equal(np.asarray(sent + new), np.asarray(corrected))
   assert int(jnp.sum(sent != 0)) <= k

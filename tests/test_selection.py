@@ -291,7 +291,7 @@ def test_exact_topk_takes_the_sampled_path_and_is_exact(n, k):
   x = _normal(n, n)
   candidates = selection.candidate_capacity(n, k)
   ratio = selection.exact_sample_ratio(n, k)
-  _, total = selection.threshold_candidates(
+  _, total = jax.jit(selection.threshold_candidates, static_argnums=(1, 3, 4))(
       jnp.asarray(x), k, jax.random.key(0), ratio, candidates)
   assert k <= int(total) <= candidates  # the fast branch, not the fallback
   values, indices = _exact_topk(x, k)
@@ -423,25 +423,29 @@ def test_exact_topk_matches_lax_top_k(n, density, levels, seed, ratio):
 # ------------------------------------------------------------------ non-finite entries
 
 
+# Compiled once per route, the sample's key an argument: every example runs one program.
+_CAPACITY = 64
+_ROUTES = {
+    "select_topk": jax.jit(lambda x, key: selection.select_topk(x, _CAPACITY)),
+    "exact_topk": jax.jit(lambda x, key: selection.exact_topk(x, _CAPACITY)),
+    "sampled_topk": jax.jit(
+        lambda x, key: selection.sampled_topk(x, _CAPACITY, _CAPACITY, key, 0.05)),
+}
+
+
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(
     bad=st.sampled_from([np.nan, -np.nan, np.inf, -np.inf]),
     count=st.sampled_from([1, 3, 400]), seed=st.integers(0, 2**16))
-@pytest.mark.parametrize("route", ["select_topk", "exact_topk", "sampled_topk"])
+@pytest.mark.parametrize("route", list(_ROUTES))
 def test_a_non_finite_entry_is_always_selected(route, bad, count, seed):
   """What ``payload_carries_nonfinite`` rests on for top-k, gTop-k and DGC:
   NaN and Inf rank above every finite magnitude, so a non-finite bucket
   always sends one (more of them than slots too)."""
-  n, capacity = 8192, 64
+  n = 8192
   x = _normal(n, seed) * np.float32(1e30)
   x[np.random.default_rng(seed).choice(n, count, replace=False)] = bad
-  select = {
-      "select_topk": lambda x: selection.select_topk(x, capacity),
-      "exact_topk": lambda x: selection.exact_topk(x, capacity),
-      "sampled_topk": lambda x: selection.sampled_topk(
-          x, capacity, capacity, jax.random.key(seed), 0.05),
-  }[route]
-  values, _ = jax.jit(select)(jnp.asarray(x))
+  values, _ = _ROUTES[route](jnp.asarray(x), jax.random.key(seed))
   assert not np.isfinite(np.asarray(values)).all()
 
 
