@@ -158,9 +158,9 @@ def _through_the_fused_path(tx, compact=False):
   return optax.GradientTransformation(tx.init, update)
 
 
-# A bf16 leaf, and buckets, each on its own: together they add nothing either misses, and
-# the f32 leaves of one bucket are the bf16 case's other leaves and the buckets' case's
-# dtype.
+# A bf16 leaf, and buckets, each on its own: together they add nothing either misses. Nor
+# does an all-f32 tree in one bucket: its leaves are the bf16 case's others, in one bucket
+# with them, and the buckets' case is all f32.
 @pytest.mark.parametrize("dtype,cap", [(jnp.bfloat16, None), (jnp.float32, 1e-4)],
                          ids=["bf16_leaf-one_bucket", "f32-buckets"])
 @pytest.mark.parametrize("name", registry.names())
