@@ -17,8 +17,9 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   operand that it only slices counts the slices it reads (through a
   concatenation, at most the slice: its own part of it is not worked out);
   a kernel that updates a buffer in place (``scatter``,
-  ``dynamic-update-slice``, alone or as a fusion's root) counts the update,
-  not the buffer. Which fusions write in place is the backend's rule:
+  ``dynamic-update-slice``, alone or as a fusion's root over one of its
+  operands) counts the update, not the buffer; a fusion's update of a
+  buffer it computes itself writes all of it. Which fusions write in place is the backend's rule:
   XLA:CPU, one whose buffer is read by the root alone; XLA:GPU also one
   that reads it by a ``dynamic-slice`` with the write's own start and shape
   (``backend="gpu"``). Any other read of the buffer (a static ``slice``
@@ -148,7 +149,11 @@ def _fusion_traffic(instruction: _Instruction, fused: list[_Instruction], sizes:
   params = {_parameter_index(p): p for p in fused if p.op == "parameter"}
   fused_shapes = {inner.name: inner.shape for inner in fused}
   root = fused[-1] if fused else None
+  # In place only over an operand's buffer: an update of a buffer the fusion computes
+  # (``2 v + w``) is a loop over the whole output, which it writes.
   in_place = root.operands[0] if root is not None and root.op in _IN_PLACE else None
+  if in_place not in {p.name for p in params.values()}:
+    in_place = None
   # A loop fusion that reduces (a row of packed mask bits per output word)
   # reads many elements per output element.
   loop = ("kind=kLoop" in instruction.attributes

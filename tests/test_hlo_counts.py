@@ -123,6 +123,17 @@ def test_an_in_place_update_outside_a_fusion_moves_the_update_only(x):
   assert counts.passes < 0.01, counts
 
 
+def test_an_update_into_a_buffer_the_fusion_computes_writes_all_of_it(x):
+  """A fusion whose root writes a span over a buffer it computes itself (``2 v + w``,
+  not one of its operands) is a loop over the whole output: it reads ``v`` and ``w``
+  and writes all ``N`` entries, not the span alone."""
+  w = x[::-1]
+  update = jnp.ones(16)
+  counts = _counts(lambda v, w, u: lax.dynamic_update_slice(2 * v + w, u, (5,)), x, w, update)
+  assert counts.by_op == {"fusion": 1}, counts
+  chex.assert_trees_all_close(counts.passes, 3.0, atol=1e-3)
+
+
 def _update_of_read_span(start):
   """A span of ``v`` replaced by ``where(keep, 2 v + 1, v)`` over it, read and written at
   ``start``."""
