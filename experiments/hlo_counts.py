@@ -19,11 +19,11 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   a kernel that updates a buffer in place (``scatter``,
   ``dynamic-update-slice``, alone or as a fusion's root over one of its
   operands) counts the update, not the buffer; a fusion's update of a
-  buffer it computes itself writes all of it. Which fusions write in place is the backend's rule:
-  XLA:CPU, one whose buffer is read by the root alone; XLA:GPU also one
-  that reads it by a ``dynamic-slice`` with the write's own start and shape
-  (``backend="gpu"``). Any other read of the buffer (a static ``slice``
-  included) makes the kernel copy all of it.
+  buffer it computes itself writes all of it. Which fusions write in place
+  is the backend's rule: XLA:CPU, one whose buffer is read by the root
+  alone; XLA:GPU also one that reads it by a ``dynamic-slice`` with the
+  write's own start and shape (``backend="gpu"``). Any other read of the
+  buffer (a static ``slice`` included) makes the kernel copy all of it.
 
 Example::
 
