@@ -549,8 +549,19 @@ SINGLE_COLUMNS = ("compressor", "ms/step", "x dense", "compile s", "kernels", "p
 def _device_note() -> str:
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return f"one CPU device on {os.cpu_count()} cores"
+    return f"one CPU device on {os.cpu_count()} cores, {_malloc_note()}"
   return f"one {device.device_kind} ({device.platform})"
+
+
+def _malloc_note() -> str:
+  """How glibc's malloc was told to back this process's memory (``GLIBC_TUNABLES``, read
+  when the process starts): XLA:CPU allocates a step's temporaries and outputs anew each
+  step, and glibc maps any buffer over 32 MiB afresh, so its pages fault in one by one
+  unless malloc asks for huge pages (``glibc.malloc.hugetlb=1``)."""
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  if "glibc.malloc.hugetlb=" in tunables:
+    return f"`GLIBC_TUNABLES={tunables}`"
+  return "glibc malloc's default pages"
 
 
 def save_program(folder: str, label: str, text: str) -> str:
@@ -587,7 +598,9 @@ def run_single(args, argv, table: dict, log=print) -> str:
       " (XLA's memory analysis: temporaries and outputs, less the outputs written over the"
       " donated state; a conditional's branches counted whether taken or not) over 4n: on CPU"
       " each is new memory on every step, whose first writes fault its pages in, and it"
-      " explains the milliseconds better than the passes do."
+      " explains the milliseconds better than the passes do, unless malloc backs it with"
+      " huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` set when the process starts,"
+      " named above where it was): every step is then faster, dense's most."
       f" MB/dev is the formula's bytes per device per step for {args.devices} workers on a"
       " ring. A method whose steps alternate between forms (ACP-SGD's P and Q steps)"
       " has a row for the one program that holds both in a conditional (`update` alone)"
