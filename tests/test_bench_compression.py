@@ -178,6 +178,21 @@ def test_one_device_table_reports_kernels_and_passes_from_the_program(tmp_path):
   assert str(topk.kernels) == by_label["topk(density=0.1)"]["kernels"]
 
 
+@pytest.mark.parametrize("tunables, note", [
+    (None, "glibc malloc's default pages"),
+    ("glibc.malloc.arena_max=2", "glibc malloc's default pages"),
+    ("glibc.malloc.hugetlb=1", "`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`"),
+    ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0",
+     "`GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0`"),
+])
+def test_the_device_note_says_how_malloc_backs_memory(monkeypatch, tunables, note):
+  if tunables is None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  else:
+    monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+  assert bench_compression._device_note().endswith(note)
+
+
 def test_a_method_with_forms_has_a_row_per_form(tmp_path):
   out = tmp_path / "forms.md"
   bench_compression.main(["--model", "tiny", "--repeats", "1", "--rank", "2", "--only",
