@@ -14,9 +14,12 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import jaxcomp
 from jaxcomp import collectives
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import backward
+from jaxcomp._src import collectives as collectives_src
 import harness
 
 EMPTY = collectives.EMPTY_INDEX
@@ -179,6 +182,67 @@ def test_narrow_mean_equals_its_oracle(wire_dtype):
   assert sent.by_kind == {t.kind: t.bytes for t in wire.mean(37, (8,), wire_dtype=wire_dtype)}
   # 37 elements padded to 40, 2 bytes each, 7/8 of them sent twice.
   assert sent.total == Fraction(2 * 7 * 2 * 40, 8)
+
+
+def _in_device_order(rows: np.ndarray) -> np.ndarray:
+  """The f32 sum of ``rows`` over the leading axis, one row after the other."""
+  total = rows[0]
+  for row in rows[1:]:
+    total = (total + row).astype(np.float32)
+  return total
+
+
+@hypothesis.given(st.integers(1, 9), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_received_rows_are_summed_in_device_order(devices, width, seed):
+  """Magnitudes over 30 binades: a sum in another order rounds differently."""
+  rng = np.random.default_rng(seed)
+  rows = (rng.normal(size=(devices, width))
+          * 2.0 ** rng.integers(-15, 15, size=(devices, width))).astype(np.float32)
+  harness.assert_bitwise_equal(jax.jit(collectives_src.sum_rows)(rows), _in_device_order(rows))
+
+
+def test_the_order_of_the_rows_shows_in_the_sum():
+  """Rows whose sum in order differs from a pairwise one, so the test above can fail."""
+  rows = np.array([[1e8], [1.0], [-1e8], [1.0]], np.float32)
+  assert _in_device_order(rows)[0] == 1.0
+  assert ((rows[0] + rows[1]) + (rows[2] + rows[3]))[0] == 0.0
+  harness.assert_bitwise_equal(jax.jit(collectives_src.sum_rows)(rows), np.float32([1.0]))
+
+
+def _sums_over_devices(jaxpr, devices: int, size: int) -> int:
+  """The ``reduce_sum``s of ``jaxpr`` (nested jaxprs included) over the leading axis of a
+  ``[devices, ...]`` operand of at least ``size`` entries."""
+  found = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_sum" and 0 in eqn.params["axes"]:
+      shape = eqn.invars[0].aval.shape
+      found += bool(shape) and shape[0] == devices and math.prod(shape) >= size
+    found += sum(_sums_over_devices(inner, devices, size) for inner in backward.sub_jaxprs(eqn))
+  return found
+
+
+_SUMMING_RECEIVED_ROWS = {
+    "cast": lambda axis: jaxcomp.cast(jnp.bfloat16, axis),
+    "signsgd": lambda axis: jaxcomp.signsgd(axis),
+    "signsgd_majority": lambda axis: jaxcomp.signsgd(axis, majority_vote=True),
+    "qsgd": lambda axis: jaxcomp.qsgd(8, axis),
+    "int8": lambda axis: jaxcomp.quantized(8, axis),
+    "int4": lambda axis: jaxcomp.quantized(4, axis),
+}
+
+
+@pytest.mark.parametrize("name", _SUMMING_RECEIVED_ROWS)
+def test_the_rows_the_devices_sent_are_added_not_reduced(name):
+  """A gradient's worth of rows received from 8 devices is summed by
+  :func:`jaxcomp._src.collectives.sum_rows` (a chain of additions), not by a reduction
+  over the device axis (XLA:CPU's is several times slower, see its docstring)."""
+  params = {"w": jnp.zeros((64, 64))}
+  mesh = training.make_mesh(8)
+  tx = _SUMMING_RECEIVED_ROWS[name]("data")
+  state = training.init_state(tx, params, mesh, "data")
+  grads = training.stack_per_device(params, mesh, "data")
+  jaxpr = jax.make_jaxpr(training.make_update(tx, mesh, "data"))(grads, state).jaxpr
+  assert _sums_over_devices(jaxpr, 8, 64 * 64) == 0
 
 
 def test_mean_scales_before_the_sum():

@@ -72,13 +72,34 @@ def _is_narrow(wire_dtype) -> bool:
   return wire_dtype is not None and jnp.dtype(wire_dtype).itemsize < 4
 
 
+def sum_rows(rows: jax.Array) -> jax.Array:
+  """The sum of ``rows`` (``[P, ...]``, one row per device) over its leading axis, in
+  device order: ``((rows[0] + rows[1]) + rows[2]) + ...``.
+
+  What every device received from the others is summed this way: one
+  elementwise loop that reads each row once, into which the rows' decoding
+  fuses. A ``sum`` over the axis is a reduction, which XLA:CPU hands to
+  YNNPACK with its input written out first; on 8 devices (ResNet-50, one
+  process on 2 cores) the narrow wire's and the two-hop quantizers' sums of
+  the decoded rows took most of their steps (bf16 ``cast`` 3.2x dense's
+  time against 0.9x, ``qsgd`` 1.5x against 1.2x, the 8-bit integers 2.0x
+  against 1.3x), and signSGD wrote its ``[P, n]`` signs out (27.9 passes
+  against 9.9; 4.9x against 2.2x). The order is the devices', not one the
+  backend picks, so the sum's bits are the same on every machine.
+  """
+  total = rows[0]
+  for row in range(1, rows.shape[0]):
+    total = total + rows[row]
+  return total
+
+
 def _reduce_scatter(flat: jax.Array, axis: str, size: int, wire_dtype):
   """Sum over ``axis`` of ``flat`` (length divisible by ``size``); this device's chunk."""
   if not _is_narrow(wire_dtype):
     return lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
   chunks = _to_wire(flat, wire_dtype).reshape(size, -1)
   received = lax.all_to_all(chunks, axis, 0, 0, tiled=True)
-  return _from_wire(received, wire_dtype).sum(axis=0)
+  return sum_rows(_from_wire(received, wire_dtype))
 
 
 def _all_gather(chunk: jax.Array, axis: str, wire_dtype) -> jax.Array:

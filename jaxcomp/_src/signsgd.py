@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import collectives
 from jaxcomp._src import protocol
 from jaxcomp._src import wire
 
@@ -177,9 +178,9 @@ def signsgd(
         gathered[:, -scale_bytes:].reshape(gathered.shape[0], -1, _SCALE_BYTES), jnp.float32)
     all_signs = unpack_signs(gathered[:, :-scale_bytes], n)
     if majority_vote:
-      mean = per_entry(jnp.sum(scales, axis=0)) * signs(jnp.sum(all_signs, axis=0))
+      mean = per_entry(collectives.sum_rows(scales)) * signs(collectives.sum_rows(all_signs))
     else:
-      mean = jnp.sum(per_entry(scales) * all_signs, axis=0)
+      mean = collectives.sum_rows(per_entry(scales) * all_signs)
     # The signs are finite whatever was sent: the mean is finite exactly when the scales are.
     return protocol.Output(
         mean=mean, residual=lambda: corrected - per_entry(scale) * signs(corrected),

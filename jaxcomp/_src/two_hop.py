@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp._src import collectives
 from jaxcomp._src import wire
 
 
@@ -113,8 +114,8 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
   payload_bytes = codec.payload_bytes(chunk)
   payload, scales = codec.encode(corrected, 0)
   outgoing = _parts(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
-  chunk_mean = jnp.sum(codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)),
-                       axis=0)
+  chunk_mean = collectives.sum_rows(
+      codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)))
   gathered, gathered_scales = _unpacked(
       ctx.allgather(_parts(*codec.encode(chunk_mean, 1))), payload_bytes)
   decoded = codec.decode(gathered, gathered_scales).reshape(-1)[:n]
