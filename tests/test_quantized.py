@@ -1,5 +1,7 @@
 """The 8- and 4-bit quantized mean against a numpy oracle of its rule (8 fake CPU devices)."""
 
+import hypothesis
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,8 @@ import harness
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}  # 53 elements: a partial last chunk
 
 # How close ``x / scale`` may come to a rounding tie (``k + 1/2``) in the
-# oracle's data: XLA sums the chunk of the mean in an order it picks per CPU,
-# which moves it by a few ulps, about 1e-6 of a level.
+# oracle's data: XLA's quotient and the chunk of the mean may differ from the
+# oracle's by a few ulps, about 1e-6 of a level.
 _MARGIN = 1e-4
 
 
@@ -65,6 +67,21 @@ def test_mean_and_residual_equal_the_numpy_oracle(bits, block, error_feedback):
   np.testing.assert_allclose(got, mean, rtol=1e-5, atol=1e-6)
   if not error_feedback:
     assert new_state.residual == ()
+
+
+@hypothesis.given(st.sampled_from([4, 8]), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_the_residual_s_levels_are_the_decoded_bytes_bit_for_bit(bits, blocks, seed):
+  """The residual's ``x`` quantized again from its levels (no bytes) is the bytes
+  decoded, over 40 binades and with a non-finite block."""
+  rng = np.random.default_rng(seed)
+  block = 8
+  x = (rng.normal(size=blocks * block)
+       * 2.0 ** rng.integers(-20, 20, size=blocks * block)).astype(np.float32)
+  x[:rng.integers(0, 2) * block:block] = np.inf  # sometimes the first block holds an inf
+  payload, scales = quantized.encode(jnp.asarray(x), bits, block)
+  harness.assert_bitwise_equal(
+      jax.jit(quantized._dequantized, static_argnums=(2, 3))(jnp.asarray(x), scales, bits, block),
+      quantized.decode(payload, scales, bits))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -184,10 +184,10 @@ def test_matches_numpy_oracle(name):
     corrected = _flat(run["grads"][step]) + (0 if name == "plain" else residual)
     mean, residual = _signsgd_reference(corrected, "majority" in name,
                                         BLOCK_SIZE.get(name, N))
-    # The oracle rounds each scale once; XLA sums a scale's N magnitudes, and the 8
-    # devices' terms of the mean, in an order it picks per CPU: N + 8 roundings of
-    # the largest scale bound the difference, per step (a step's difference carries
-    # into the next step's corrected gradient through the residual).
+    # The oracle rounds each scale once; XLA sums a scale's N magnitudes in an order
+    # it picks per CPU, and the mean adds the 8 devices' terms in device order: N + 8
+    # roundings of the largest scale bound the difference, per step (a step's
+    # difference carries into the next step's corrected gradient through the residual).
     largest_scale = _scales(corrected, BLOCK_SIZE.get(name, N)).max()
     atol = (step + 1) * (N + 8) * np.finfo(np.float32).eps * largest_scale
     np.testing.assert_allclose(_flat(run["outs"][step])[0], mean, rtol=0, atol=atol)

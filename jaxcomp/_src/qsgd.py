@@ -105,7 +105,8 @@ def _codec(levels: int, block: int, key, device) -> two_hop.Codec:
     steps = level.reshape(level.shape[:-1] + (-1, block))
     return (norms[..., None] / levels * steps).reshape(level.shape)
 
-  return two_hop.Codec(encode, decode, _payload_bytes)
+  return two_hop.Codec(encode, decode, _payload_bytes,
+                       lambda x, norms: decode(encode(x, 0, norms)[0], norms))
 
 
 def _payload_bytes(entries: int) -> int:

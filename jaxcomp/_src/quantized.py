@@ -43,15 +43,21 @@ def encode(x: jax.Array, bits: int, block: int,
   NaN or an infinity has the scale ``inf`` (NaN counted as ``inf``: XLA:CPU's
   vectorised ``max`` may drop a NaN), so it decodes to non-finite values.
   """
-  blocks = x.reshape(-1, block)
-  top = 2 ** (bits - 1) - 1
-  scales = selection.max_magnitude(blocks) / top if scales is None else scales
-  level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
-  level = jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1)
+  level, scales = _levels(x, bits, block, scales)
   if bits == 8:
     return lax.bitcast_convert_type(level, jnp.uint8), scales
   nibbles = (level + 8).astype(jnp.uint8).reshape(-1, 2)
   return nibbles[:, 0] | (nibbles[:, 1] << 4), scales
+
+
+def _levels(x: jax.Array, bits: int, block: int,
+            scales: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+  """``(int8 levels [m * block], f32 scales [m])``: :func:`encode`'s before they are bytes."""
+  blocks = x.reshape(-1, block)
+  top = 2 ** (bits - 1) - 1
+  scales = selection.max_magnitude(blocks) / top if scales is None else scales
+  level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
+  return jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1), scales
 
 
 def decode(payload: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
@@ -59,11 +65,28 @@ def decode(payload: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
   if bits == 8:
     level = lax.bitcast_convert_type(payload, jnp.int8).astype(jnp.float32)
   else:
-    low = (payload & 15).astype(jnp.float32) - 8
-    high = (payload >> 4).astype(jnp.float32) - 8
-    level = jnp.stack([low, high], axis=-1).reshape(payload.shape[:-1] + (-1,))
+    # Each byte spread over its two entries by a broadcast, shifted by 0 or 4: one
+    # loop (a stack of the two nibbles was a concatenation, 2-3x slower on CPU).
+    shifts = jnp.asarray([0, 4], jnp.uint8)
+    nibbles = (payload[..., None] >> shifts) & 15
+    level = nibbles.astype(jnp.float32).reshape(payload.shape[:-1] + (-1,)) - 8
+  return _scaled(level, scales)
+
+
+def _scaled(level: jax.Array, scales: jax.Array) -> jax.Array:
+  """f32 levels ``[..., m * block]`` times their blocks' scales ``[..., m]``."""
   steps = level.reshape(level.shape[:-1] + (scales.shape[-1], -1))
   return (scales[..., None] * steps).reshape(level.shape)
+
+
+def _dequantized(x: jax.Array, scales: jax.Array, bits: int, block: int) -> jax.Array:
+  """``decode(encode(x, scales))`` from the levels, not the bytes: the same values.
+
+  Read from the bytes, each entry of 4-bit codes unpacks a byte that packs
+  two levels, each computed again for it (on 8 devices the residual of
+  ResNet-50's 4-bit step took 6x the 8-bit one's time).
+  """
+  return _scaled(_levels(x, bits, block, scales)[0].astype(jnp.float32), scales)
 
 
 def _payload_bytes(bits: int):
@@ -73,7 +96,8 @@ def _payload_bytes(bits: int):
 def _codec(bits: int, block: int) -> two_hop.Codec:
   return two_hop.Codec(lambda x, hop, scales=None: encode(x, bits, block, scales),
                        lambda payload, scales: decode(payload, scales, bits),
-                       _payload_bytes(bits))
+                       _payload_bytes(bits),
+                       lambda x, scales: _dequantized(x, scales, bits, block))
 
 
 def quantized(
