@@ -79,12 +79,13 @@ def sum_rows(rows: jax.Array) -> jax.Array:
   What every device received from the others is summed this way: one
   elementwise loop that reads each row once, into which the rows' decoding
   fuses. A ``sum`` over the axis is a reduction, which XLA:CPU hands to
-  YNNPACK with its input written out first; on 8 devices (ResNet-50, one
-  process on 2 cores) the narrow wire's and the two-hop quantizers' sums of
-  the decoded rows took most of their steps (bf16 ``cast`` 3.2x dense's
-  time against 0.9x, ``qsgd`` 1.5x against 1.2x, the 8-bit integers 2.0x
-  against 1.3x), and signSGD wrote its ``[P, n]`` signs out (27.9 passes
-  against 9.9; 4.9x against 2.2x). The order is the devices', not one the
+  YNNPACK with its input written out first. ResNet-50 on 8 fake devices (one
+  process on 2 cores), a step's time against dense's in the same rounds, two
+  paired runs, reduction then this: bf16 ``cast`` 3.2-3.7x and 0.9-1.0x,
+  ``signsgd`` 4.9-6.3x and 2.2x (its ``[P, n]`` signs written out: 27.9
+  passes against 9.9), with the majority vote 23.9x and 2.5x (one run), ``qsgd``
+  1.5-1.8x and 1.2-1.6x, the 8-bit integers 2.0x and 1.3-1.5x. One device
+  has one row: nothing changes there. The order is the devices', not one the
   backend picks, so the sum's bits are the same on every machine.
   """
   total = rows[0]
