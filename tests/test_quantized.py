@@ -77,7 +77,8 @@ def test_the_residual_s_levels_are_the_decoded_bytes_bit_for_bit(bits, blocks, s
   block = 8
   x = (rng.normal(size=blocks * block)
        * 2.0 ** rng.integers(-20, 20, size=blocks * block)).astype(np.float32)
-  x[:rng.integers(0, 2) * block:block] = np.inf  # sometimes the first block holds an inf
+  if rng.integers(2):
+    x[0] = np.inf  # the first block's scale is inf
   payload, scales = quantized.encode(jnp.asarray(x), bits, block)
   harness.assert_bitwise_equal(
       jax.jit(quantized._dequantized, static_argnums=(2, 3))(jnp.asarray(x), scales, bits, block),
