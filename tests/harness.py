@@ -241,6 +241,16 @@ def reduce_sum_reference(blocks):
   return np.asarray(blocks, np.float64).sum(axis=0).astype(np.float32)
 
 
+def sum_rows_reference(rows):
+  """The spec of ``collectives.sum_rows``: the f32 sum of ``rows`` (``[P, ...]``) over
+  the leading axis, one row after the other in device order."""
+  rows = np.asarray(rows, np.float32)
+  total = rows[0]
+  for row in rows[1:]:
+    total = (total + row).astype(np.float32)
+  return total
+
+
 def mean_reference(blocks, wire_dtype=None):
   """The spec of ``collectives.mean``: every device's ``x / P``, summed.
 

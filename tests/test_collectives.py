@@ -184,27 +184,20 @@ def test_narrow_mean_equals_its_oracle(wire_dtype):
   assert sent.total == Fraction(2 * 7 * 2 * 40, 8)
 
 
-def _in_device_order(rows: np.ndarray) -> np.ndarray:
-  """The f32 sum of ``rows`` over the leading axis, one row after the other."""
-  total = rows[0]
-  for row in rows[1:]:
-    total = (total + row).astype(np.float32)
-  return total
-
-
 @hypothesis.given(st.integers(1, 9), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_received_rows_are_summed_in_device_order(devices, width, seed):
   """Magnitudes over 30 binades: a sum in another order rounds differently."""
   rng = np.random.default_rng(seed)
   rows = (rng.normal(size=(devices, width))
           * 2.0 ** rng.integers(-15, 15, size=(devices, width))).astype(np.float32)
-  harness.assert_bitwise_equal(jax.jit(collectives_src.sum_rows)(rows), _in_device_order(rows))
+  harness.assert_bitwise_equal(jax.jit(collectives_src.sum_rows)(rows),
+                               harness.sum_rows_reference(rows))
 
 
 def test_the_order_of_the_rows_shows_in_the_sum():
   """Rows whose sum in order differs from a pairwise one, so the test above can fail."""
   rows = np.array([[1e8], [1.0], [-1e8], [1.0]], np.float32)
-  assert _in_device_order(rows)[0] == 1.0
+  assert harness.sum_rows_reference(rows)[0] == 1.0
   assert ((rows[0] + rows[1]) + (rows[2] + rows[3]))[0] == 0.0
   harness.assert_bitwise_equal(jax.jit(collectives_src.sum_rows)(rows), np.float32([1.0]))
 
