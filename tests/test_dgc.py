@@ -106,9 +106,9 @@ def test_compiled_bytes_equal_formula(sparse_leaves, num):
   assert got.total == sparse_bytes + dense_bytes
 
 
-# The warm-up's k per stage on the sparse leaves (252 entries) at density 0.02:
-# 25%, 6.25%, then 1.5625% and 0.4% raised to the density, then the density.
-WARMUP_KS = (63, 16, 6, 6, 6)
+# The warm-up's k per form on the sparse leaves (252 entries) at density 0.02:
+# 25%, 6.25%, then the density (1.5625% and 0.4% raised to it, and after the warm-up).
+WARMUP_KS = (63, 16, 6)
 
 
 def _allgathers_by_branch(sent):
@@ -123,7 +123,7 @@ def _allgathers_by_branch(sent):
 @pytest.mark.parametrize("mesh_shape, names", [(8, ("data",)), ((2, 4), ("x", "y"))],
                          ids=["ring", "torus"])
 def test_warmup_bytes_per_branch_equal_the_formula(mesh_shape, names):
-  """One branch per stage, each all-gathering its own k; the formula agrees branch by branch."""
+  """One branch per form, each all-gathering its own k; the formula agrees branch by branch."""
   axis = harness.axis_of(names)
   mesh = training.make_mesh(mesh_shape, names)
   tx = dgc.dgc(0.02, axis, warmup_steps=8, sample_ratio=0.5)
@@ -137,15 +137,20 @@ def test_warmup_bytes_per_branch_equal_the_formula(mesh_shape, names):
   assert sent.by_branch == want.by_branch
   # Each stage gathers its k values and k indices from 8 devices (4 bytes each).
   gathers = _allgathers_by_branch(sent)
-  for stage, k in enumerate(WARMUP_KS):
-    assert gathers[stage] == [8 * 4 * k, 8 * 4 * k]
-    assert sent.by_branch[stage] == 7 * 8 * k
+  assert sorted(b for b in gathers if b is not None) == list(range(len(WARMUP_KS)))
+  for form, k in enumerate(WARMUP_KS):
+    assert gathers[form] == [8 * 4 * k, 8 * 4 * k]
+    assert sent.by_branch[form] == 7 * 8 * k
   assert WARMUP_KS[0] > WARMUP_KS[-1]
   # The 12 dense elements: outside the switch, the ring or torus mean of 12 f32.
   sizes = (8,) if len(names) == 1 else mesh_shape
   assert sent.by_branch[None] == sum(t.bytes for t in wire.mean(12, sizes))
-  # Over 10 steps each of the five stages takes 2: the program's 1/5 per branch.
-  assert sent.by_kind == wire.expected_bytes(tx, params, mesh_shape, steps=10).by_kind
+  # Over 6 steps each of the three forms takes 2: the program's 1/3 per branch.
+  assert sent.by_kind == wire.expected_bytes(tx, params, mesh_shape, steps=6).by_kind
+  # Over 10, the last form takes 6 (two stages and two steps after the warm-up).
+  assert wire.expected_bytes(tx, params, mesh_shape, steps=10).by_branch == sent.by_branch
+  assert wire.expected_bytes(tx, params, mesh_shape, steps=10).total == (
+      7 * 8 * Fraction(2 * 63 + 2 * 16 + 6 * 6, 10) + sent.by_branch[None])
 
 
 def test_warmup_formula_weights_the_stages():

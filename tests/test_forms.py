@@ -27,7 +27,8 @@ PARAMS = {"l0_b": jnp.zeros((32,)), "l0_w": jnp.zeros((16, 32)),
 CASES = {
     "acpsgd": ("acpsgd", {"rank": 2}, 2),
     "acpsgd_buckets": ("acpsgd", {"rank": 2, "bucket_cap_mb": 1e-3}, 2),
-    "dgc_warmup": ("dgc", {"density": 0.05, "warmup_steps": 4, "clip_norm": 1.0}, 5),
+    # The stages at 25% and 6.25%, then 5% (the last two stages', raised to it, and after).
+    "dgc_warmup": ("dgc", {"density": 0.05, "warmup_steps": 4, "clip_norm": 1.0}, 3),
 }
 
 
@@ -163,6 +164,11 @@ def test_a_bad_form_is_refused_by_name(form):
 def test_the_form_reaches_the_compressor_through_the_spec():
   assert protocol.spec(jaxcomp.acpsgd(2, "data")).form(3) == 1
   assert protocol.spec(jaxcomp.dgc(0.01, "data", warmup_steps=8)).form(5) == 2
-  assert protocol.spec(jaxcomp.dgc(0.01, "data", warmup_steps=8)).form(9) == 4
+  # 0.4% is raised to the density: the last stage is the steady state's form.
+  assert protocol.spec(jaxcomp.dgc(0.01, "data", warmup_steps=8)).form(7) == 3
+  assert protocol.spec(jaxcomp.dgc(0.01, "data", warmup_steps=8)).form(9) == 3
+  assert protocol.spec(jaxcomp.dgc(0.001, "data", warmup_steps=8)).form(7) == 3
+  assert protocol.spec(jaxcomp.dgc(0.001, "data", warmup_steps=8)).form(9) == 4
+  assert protocol.spec(jaxcomp.dgc(0.25, "data", warmup_steps=8)).form is None
   assert protocol.spec(jaxcomp.dgc(0.01, "data")).form is None
   assert protocol.spec(jaxcomp.gtopk(0.01, "data")).form is None

@@ -73,12 +73,21 @@ def warmup_density(density: float, warmup_steps: int, step: int) -> float:
   return max(WARMUP_DENSITIES[stage], density)
 
 
-def _stage_ks(density: float, warmup_steps: int, n: int) -> tuple[int, ...]:
-  """``k`` of every warm-up stage, then of ``density`` (the last entry)."""
+def form_densities(density: float, warmup_steps: int) -> tuple[float, ...]:
+  """The density of each form of the step: the warm-up stages above ``density``, then ``density``.
+
+  A stage whose ramp density is at or below ``density`` runs at ``density``
+  (:func:`warmup_density`), the step after the warm-up: it is that form, and
+  one program, not one more of the same. The ramp falls, so the stages above
+  ``density`` are its first ones: stage ``s`` is form ``min(s, forms - 1)``.
+  """
   ramp = WARMUP_DENSITIES if warmup_steps else ()
-  return tuple(checks.num_selected(max(d, density), n) for d in ramp) + (
-      checks.num_selected(density, n),
-  )
+  return tuple(d for d in ramp if d > density) + (density,)
+
+
+def _form_ks(density: float, warmup_steps: int, n: int) -> tuple[int, ...]:
+  """``k`` of every form (:func:`form_densities`) on ``n`` sparse entries."""
+  return tuple(checks.num_selected(d, n) for d in form_densities(density, warmup_steps))
 
 
 def stage_weights(warmup_steps: int, steps) -> tuple[Fraction, ...]:
@@ -155,12 +164,14 @@ def dgc(
      zero where sent) and ``u`` is zeroed where sent.
   5. *Warm-up*: the density follows 25%, 6.25%, 1.5625%, 0.4% in four equal
      stages over ``warmup_steps``, then ``density`` (a stage never goes below
-     ``density``). Each stage is one form of the step with its own static
-     ``k``, so each stage sends its own payload, and after the warm-up the
-     wire carries the ``k`` of ``density`` only. The step builders compile
-     one program per stage and pick it on the host (no exchange inside a
-     conditional); ``update`` alone holds them all in one program, a
-     ``lax.switch`` on the step count (the same on every device).
+     ``density``). Each stage above ``density`` is one form of the step with
+     its own static ``k``, so each sends its own payload; the stages at
+     ``density`` share the form of the steps after the warm-up
+     (:func:`form_densities`), whose wire carries the ``k`` of ``density``
+     only. The step builders compile one program per form and pick it on the
+     host (no exchange inside a conditional); ``update`` alone holds them all
+     in one program, a ``lax.switch`` on the step count (the same on every
+     device).
 
   The other leaves (biases and norms under the default rule) are fused into
   one dense :func:`jaxcomp.collectives.mean` and get the momentum on the
@@ -223,6 +234,7 @@ def dgc(
   )
   seed = checks.check_seed(seed)
   bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
+  forms = len(form_densities(density, warmup_steps))
 
   def accumulate(u, g):
     """``(new u, what v accumulates)``: the momentum correction."""
@@ -285,9 +297,9 @@ def dgc(
         return (sparse_mean, error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size),
                 check)
 
-      ks = _stage_ks(density, warmup_steps, sparse.size)
-      if warmup_steps:
-        # The stages' k differ, so a branch returns the n-sized mean and the
+      ks = _form_ks(density, warmup_steps, sparse.size)
+      if len(ks) > 1:
+        # The forms' k differ, so a branch returns the n-sized mean and the
         # packed mask of what was sent, not its indices.
         sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
       else:
@@ -331,12 +343,13 @@ def dgc(
     cost = wire.mean(bucket.size - n_s, sizes)
     if not n_s:
       return cost
-    stages = [wire.sparse_allgather(k, sizes)
-              for k in _stage_ks(density, warmup_steps, n_s)]
-    if not warmup_steps:
-      return stages[0] + cost
-    weights = stage_weights(warmup_steps, steps)
-    return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(stages, weights))),
+    forms = [wire.sparse_allgather(k, sizes) for k in _form_ks(density, warmup_steps, n_s)]
+    if len(forms) == 1:
+      return forms[0] + cost
+    weights = [Fraction(0)] * len(forms)
+    for stage, weight in enumerate(stage_weights(warmup_steps, steps)):
+      weights[min(stage, len(forms) - 1)] += weight
+    return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(forms, weights))),
                cost)
 
   return protocol.compressor(protocol.Method(
@@ -350,7 +363,7 @@ def dgc(
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
       payload_carries_nonfinite=True,
       seed=seed, bucket_cap_mb=bucket_cap_mb,
-      form=(lambda count: _stage(count, warmup_steps)) if warmup_steps else None))
+      form=(lambda count: _form(count, warmup_steps, forms)) if forms > 1 else None))
 
 
 def _sparse_first(tree, where) -> fusion.Bucket:
@@ -373,7 +386,9 @@ def _in_head(bucket: fusion.Bucket, where) -> jax.Array:
   return jnp.arange(bucket.size) < _sparse(bucket, where).size
 
 
-def _stage(count: jax.Array, warmup_steps: int) -> jax.Array:
-  """The warm-up stage of step ``count``: 0 to 3, then 4 after the warm-up."""
+def _form(count: jax.Array, warmup_steps: int, forms: int) -> jax.Array:
+  """The form of step ``count`` (:func:`form_densities`): its warm-up stage, 0 to 3, or 4
+  after the warm-up, at most ``forms - 1``."""
   stages = len(WARMUP_DENSITIES)
-  return jnp.where(count >= warmup_steps, stages, count * stages // warmup_steps)
+  stage = jnp.where(count >= warmup_steps, stages, count * stages // warmup_steps)
+  return jnp.minimum(stage, forms - 1)
