@@ -343,13 +343,14 @@ def dgc(
     cost = wire.mean(bucket.size - n_s, sizes)
     if not n_s:
       return cost
-    forms = [wire.sparse_allgather(k, sizes) for k in _form_ks(density, warmup_steps, n_s)]
-    if len(forms) == 1:
-      return forms[0] + cost
-    weights = [Fraction(0)] * len(forms)
+    gathers = [wire.sparse_allgather(k, sizes) for k in _form_ks(density, warmup_steps, n_s)]
+    if forms == 1:
+      return gathers[0] + cost
+    # Each form weighs the steps of its stages: the last, those at ``density`` too.
+    weights = [Fraction(0)] * forms
     for stage, weight in enumerate(stage_weights(warmup_steps, steps)):
-      weights[min(stage, len(forms) - 1)] += weight
-    return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(forms, weights))),
+      weights[min(stage, forms - 1)] += weight
+    return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(gathers, weights))),
                cost)
 
   return protocol.compressor(protocol.Method(
