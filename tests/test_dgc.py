@@ -135,7 +135,7 @@ def test_warmup_bytes_per_branch_equal_the_formula(mesh_shape, names):
   harness.assert_same_on_devices(out)
   want = wire.expected_bytes(tx, params, mesh_shape)
   assert sent.by_branch == want.by_branch
-  # Each stage gathers its k values and k indices from 8 devices (4 bytes each).
+  # Each form gathers its k values and k indices from 8 devices (4 bytes each).
   gathers = _allgathers_by_branch(sent)
   assert sorted(b for b in gathers if b is not None) == list(range(len(WARMUP_KS)))
   for form, k in enumerate(WARMUP_KS):

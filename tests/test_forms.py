@@ -27,7 +27,7 @@ PARAMS = {"l0_b": jnp.zeros((32,)), "l0_w": jnp.zeros((16, 32)),
 CASES = {
     "acpsgd": ("acpsgd", {"rank": 2}, 2),
     "acpsgd_buckets": ("acpsgd", {"rank": 2, "bucket_cap_mb": 1e-3}, 2),
-    # The stages at 25% and 6.25%, then 5% (the last two stages', raised to it, and after).
+    # Two stages above 5% (25% and 6.25%), then 5%, which the last two stages are raised to.
     "dgc_warmup": ("dgc", {"density": 0.05, "warmup_steps": 4, "clip_norm": 1.0}, 3),
 }
 
