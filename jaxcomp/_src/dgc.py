@@ -298,7 +298,7 @@ def dgc(
                 check)
 
       ks = _form_ks(density, warmup_steps, sparse.size)
-      if len(ks) > 1:
+      if forms > 1:
         # The forms' k differ, so a branch returns the n-sized mean and the
         # packed mask of what was sent, not its indices.
         sparse_mean, sent, check = ctx.switch([functools.partial(exchange, k) for k in ks])
@@ -347,9 +347,8 @@ def dgc(
     if forms == 1:
       return gathers[0] + cost
     # Each form weighs the steps of its stages: the last, those at ``density`` too.
-    weights = [Fraction(0)] * forms
-    for stage, weight in enumerate(stage_weights(warmup_steps, steps)):
-      weights[min(stage, forms - 1)] += weight
+    stages = stage_weights(warmup_steps, steps)
+    weights = stages[:forms - 1] + (sum(stages[forms - 1:]),)
     return sum((wire.in_branch(c, i, w) for i, (c, w) in enumerate(zip(gathers, weights))),
                cost)
 
