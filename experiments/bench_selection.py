@@ -16,6 +16,11 @@ the same vector, measured in the same run, and recall against it:
 * ``exact_topk, fallback``: the same on a vector of equal magnitudes, which
   always takes the fallback, against ``lax.top_k`` of that vector.
 
+With ``--small-buckets`` it prints one table instead: DGC's sampled
+threshold against ``lax.top_k`` on small buckets, compile seconds too, at
+DGC's densities (its warm-up's 25% and 6.25% included), where
+:attr:`jaxcomp.selection.Tuning.sampled_min_size` draws the line.
+
 A second table times the per-chunk selection of SparseLoCo (chunks of
 ``--chunk`` entries, ``ceil(density chunk)`` of each) and of DeMo (chunks of
 64: one of each at density 0.001, two at its default 1/32) against the
@@ -26,6 +31,7 @@ positions are the same.
 Usage::
 
   python -m experiments.bench_selection --size 25600000 --repeats 5
+  python -m experiments.bench_selection --small-buckets --repeats 21
 """
 
 from __future__ import annotations
@@ -90,6 +96,54 @@ def per_chunk_rows(x: jax.Array, chunk: int, k: int, repeats: int) -> list:
   return results
 
 
+# Sizes and densities of the small-bucket table: DGC's warm-up stages and targets.
+SMALL_SIZES = (1024, 2048, 4096, 8192, 16384)
+SMALL_DENSITIES = (0.25, 0.0625, 0.01, 0.001)
+
+
+def small_bucket_rows(sizes, densities, sample_ratio: float, repeats: int) -> list:
+  """``[(n, k, route, compile s, wall s, recall)]``: ``lax.top_k``, then DGC's sampled
+  threshold (at every size: ``Tuning(sampled_min_size=None)``), on ``n`` Gaussian
+  entries, ``k = ceil(density n)``; recall against ``lax.top_k``."""
+  every_size = selection.Tuning(sampled_min_size=None)
+  results = []
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(n), (n,), jnp.float32)
+    key = jax.random.key(n + 1)
+    for density in densities:
+      k = max(1, math.ceil(density * n))
+      routes = [
+          ("lax.top_k", lambda x, key, k=k: selection.select_topk(x, k)[1]),
+          ("sampled threshold", lambda x, key, k=k: selection.sampled_topk(
+              x, k, k, key, sample_ratio, every_size)[1]),
+      ]
+      exact = None
+      for name, fn in routes:
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(x, key).compile()
+        seconds = time.perf_counter() - start
+        indices = np.asarray(compiled(x, key))
+        exact = indices if exact is None else exact
+        wall, _ = _median_seconds(compiled, (x, key), repeats)
+        results.append((n, k, name, seconds, wall, _recall(indices, exact)))
+  return results
+
+
+def print_small_buckets(sizes, densities, sample_ratio: float, repeats: int) -> None:
+  """Prints :func:`small_bucket_rows` as a table, each route's speed-up over the threshold."""
+  rows = small_bucket_rows(sizes, densities, sample_ratio, repeats)
+  print(f"small buckets, sample ratio {sample_ratio:g}, median of {repeats},"
+        f" {jax.devices()[0].platform}")
+  print(f"| {'entries':>7} | {'k':>5} | {'route':<17} | {'compile s':>9} | {'wall ms':>8} |"
+        f" {'speed-up':>8} | {'recall':>6} |")
+  print(f"|{'-' * 9}|{'-' * 7}|{'-' * 19}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 8}|")
+  threshold_wall = {(n, k): wall for n, k, name, _, wall, _ in rows
+                    if name == "sampled threshold"}
+  for n, k, name, seconds, wall, recall in rows:
+    print(f"| {n:>7} | {k:>5} | {name:<17} | {seconds:>9.2f} | {wall * 1e3:>8.3f} |"
+          f" {threshold_wall[n, k] / wall:>7.2f}x | {recall:>6.4f} |")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--size", type=int, default=25_600_000, help="floats in the vector")
@@ -100,7 +154,13 @@ def main(argv=None) -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=4096,
                       help="entries per chunk of the per-chunk table (SparseLoCo's)")
+  parser.add_argument("--small-buckets", action="store_true",
+                      help="only the table of small buckets (DGC's sampled threshold"
+                           " against lax.top_k), at --sample-ratio")
   args = parser.parse_args(argv)
+  if args.small_buckets:
+    print_small_buckets(SMALL_SIZES, SMALL_DENSITIES, args.sample_ratio, args.repeats)
+    return
 
   n = args.size
   k = max(1, math.ceil(args.density * n))
@@ -109,8 +169,10 @@ def main(argv=None) -> None:
 
   exact_fn = jax.jit(lambda x: lax.top_k(jnp.abs(x), k)[1])
   approx_fn = jax.jit(lambda x: lax.approx_max_k(jnp.abs(x), k)[1])
+  # The threshold at every size: below Tuning.sampled_min_size it would be lax.top_k.
+  every_size = selection.Tuning(sampled_min_size=None)
   sampled_fn = jax.jit(
-      lambda x, key: selection.sampled_topk(x, k, k, key, args.sample_ratio)[1]
+      lambda x, key: selection.sampled_topk(x, k, k, key, args.sample_ratio, every_size)[1]
   )
 
   exact_topk_fn = jax.jit(lambda x: selection.exact_topk(x, k)[1])

@@ -39,3 +39,20 @@ def test_main_prints_both_tables(capsys):
   assert "313 x 64, k = 2" in lines[2]
   assert all(line.rstrip(" |").endswith("yes") for line in lines)
   assert jax.devices()[0].platform in out
+
+
+def test_small_buckets_time_both_routes_and_the_threshold_s_recall(capsys, monkeypatch):
+  rows = bench_selection.small_bucket_rows([1024], [0.25, 0.01], 0.01, repeats=1)
+  assert [(n, k, name) for n, k, name, *_ in rows] == [
+      (1024, 256, "lax.top_k"), (1024, 256, "sampled threshold"),
+      (1024, 11, "lax.top_k"), (1024, 11, "sampled threshold")]
+  assert all(seconds > 0 and wall > 0 and 0 <= recall <= 1
+             for *_, seconds, wall, recall in rows)
+  assert [recall for _, _, name, *_, recall in rows if name == "lax.top_k"] == [1.0, 1.0]
+  # The flag prints the table alone (two sizes here: every size takes about 20 s).
+  monkeypatch.setattr(bench_selection, "SMALL_SIZES", (512, 1024))
+  monkeypatch.setattr(bench_selection, "SMALL_DENSITIES", (0.01,))
+  bench_selection.main(["--small-buckets", "--repeats", "1"])
+  out = capsys.readouterr().out
+  assert out.count("| sampled threshold |") == 2 and out.count("| lax.top_k ") == 2
+  assert "| exact_topk " not in out

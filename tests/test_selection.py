@@ -43,6 +43,7 @@ def test_backend_defaults_are_the_documented_ones():
   assert selection.tuning_for("cpu").argmax_k == 8
   assert selection.tuning_for("cpu").product_rows == 4096
   assert selection.tuning_for("cpu").sampled
+  assert selection.tuning_for("cpu").sampled_min_size == 4096
   for backend in ("gpu", "cuda", "rocm", "tpu"):
     assert selection.tuning_for(backend).exact_min_size is None
     assert selection.tuning_for(backend).row_block is None
@@ -204,6 +205,27 @@ def test_sampled_topk_unsampled_is_lax_top_k_without_a_loop_or_a_branch():
   sampled = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.05))
   control = harness.control_flow(sampled.lower(x, jax.random.key(0)).compile().as_text())
   assert control["while"] and control["conditional"]  # the foil: the sampled route has both
+
+
+@pytest.mark.parametrize("n", [676, 4095])
+def test_sampled_topk_below_its_min_size_is_lax_top_k(n):
+  """Fewer than ``tuning.sampled_min_size`` entries: select_topk's payload bit for bit
+  and no loop or branch; with no minimum, the threshold's loops and fallback."""
+  capacity, k = 64, 50
+  x = jnp.asarray(_normal(n, 6))
+  small = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.25))
+  got = small(x, jax.random.key(0))
+  for a, b in zip(got, jax.jit(lambda x: selection.select_topk(x, capacity, k))(x)):
+    harness.assert_bitwise_equal(a, b)
+  assert not harness.control_flow(small.lower(x, jax.random.key(0)).compile().as_text())
+  every_size = selection.Tuning(sampled_min_size=None)
+  sampled = jax.jit(
+      lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.25, every_size))
+  control = harness.control_flow(sampled.lower(x, jax.random.key(0)).compile().as_text())
+  assert control["while"] and control["conditional"]
+  _, indices = sampled(x, jax.random.key(0))
+  np.testing.assert_array_equal(np.sort(np.asarray(indices)[:k]),
+                                np.sort(harness.np_topk(np.asarray(x), k)))
 
 
 def test_sampled_threshold_candidates_fit_the_capacity():

@@ -82,6 +82,14 @@ class Tuning(NamedTuple):
       ``top_k`` kernel beats the threshold's loops of small kernels and its
       ``lax.cond``, whose predicate XLA:GPU reads on the host: DGC with 25
       MiB buckets on an H200 (``bench_compression_gpu.md``).
+    sampled_min_size: with ``sampled``, :func:`sampled_topk` selects by its
+      threshold among at least this many entries, and by ``lax.top_k``
+      among fewer (``None``: by the threshold at every size). On XLA:CPU,
+      below 4,096 entries ``lax.top_k`` takes at most 0.15 ms at DGC's
+      densities (0.07-0.14 ms for the threshold), is exact where the
+      threshold may send fewer than k, and compiles in under 0.1 s where the
+      threshold's loops, compaction and fallback take about 1 s
+      (``python -m experiments.bench_selection --small-buckets``).
   """
 
   oversample: float = 1.25
@@ -95,6 +103,7 @@ class Tuning(NamedTuple):
   product_rows: Optional[int] = 4096
   argmax_k: int = 8
   sampled: bool = True
+  sampled_min_size: Optional[int] = 4096
 
 
 # The CPU default switches to exact_topk where its one pass beats lax.top_k
@@ -417,8 +426,9 @@ def sampled_topk(
      ``lax.cond`` with no collective inside, so devices may take different
      branches.
 
-  A capacity of ``n`` (density 1), or ``tuning.sampled`` false, selects with
-  ``lax.top_k`` directly (:func:`select_topk`: largest first).
+  A capacity of ``n`` (density 1), ``tuning.sampled`` false, or fewer than
+  ``tuning.sampled_min_size`` entries, selects with ``lax.top_k`` directly
+  (:func:`select_topk`: largest first).
 
   Args:
     x: ``f32[n]``.
@@ -426,8 +436,8 @@ def sampled_topk(
     k: traced or static count ``<= capacity`` to select.
     key: a typed PRNG key for the sample.
     sample_ratio: share of ``x`` sampled, in (0, 1).
-    tuning: the tunables (:class:`Tuning`; ``sampled``, ``oversample``,
-      ``candidate_factor`` and ``min_fraction`` are read). By default
+    tuning: the tunables (:class:`Tuning`; ``sampled``, ``sampled_min_size``,
+      ``oversample``, ``candidate_factor`` and ``min_fraction`` are read). By default
       ``Tuning()``, sampled on every backend; :func:`tuning_for` gives the
       backend's.
     size: select among ``x[:size]`` only (default: all of ``x``). A caller
@@ -448,7 +458,8 @@ def sampled_topk(
     # (an n-sized copy); behind the barrier the head is read in place.
     x = lax.optimization_barrier(x)
   tuning = tuning or Tuning()
-  if capacity >= size or not tuning.sampled:
+  small = tuning.sampled_min_size is not None and size < tuning.sampled_min_size
+  if capacity >= size or not tuning.sampled or small:
     return select_topk(x[:size], capacity, k)
   candidates = candidate_capacity(size, capacity, tuning)
   k = jnp.asarray(k, jnp.int32)
