@@ -42,7 +42,18 @@ def test_main_prints_both_tables(capsys):
 
 
 def test_small_buckets_time_both_routes_and_the_threshold_s_recall(capsys, monkeypatch):
+  tunings = []
+  sampled_topk = bench_selection.selection.sampled_topk
+
+  def spy(*args):
+    tunings.append(args[5])
+    return sampled_topk(*args)
+
+  monkeypatch.setattr(bench_selection.selection, "sampled_topk", spy)
   rows = bench_selection.small_bucket_rows([1024], [0.25, 0.01], 0.01, repeats=1)
+  # The threshold's row runs the threshold, below sampled_min_size too.
+  assert len(tunings) == 2
+  assert all(t.sampled and t.sampled_min_size is None for t in tunings)
   assert [(n, k, name) for n, k, name, *_ in rows] == [
       (1024, 256, "lax.top_k"), (1024, 256, "sampled threshold"),
       (1024, 11, "lax.top_k"), (1024, 11, "sampled threshold")]
