@@ -19,6 +19,7 @@ from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import selection
 
 import harness
 
@@ -81,9 +82,7 @@ def _assert_same_bits(got, want):
     harness.assert_bitwise_equal(g, w)
 
 
-@pytest.mark.parametrize("case,layout", [(case, "replicated") for case in CASES]
-                         + [("acpsgd", "hierarchical"), ("acpsgd", "fsdp")])
-def test_one_program_per_form_gives_the_bits_of_the_switch(case, layout):
+def _forms_give_the_bits_of_the_switch(case, layout):
   shape, names = (8, ("data",)) if layout == "replicated" else ((2, 4), ("dcn", "ici"))
   mesh, axis, tx, step, params, state, forms = _setup(case, shape, names, layout)
   axis = ("dcn", "ici") if layout == "fsdp" else axis
@@ -92,6 +91,26 @@ def test_one_program_per_form_gives_the_bits_of_the_switch(case, layout):
   switched = _train(step.program(None), params, state, mesh, axis, steps)
   _assert_same_bits(formed, switched)
   assert step.cache_size() == min(forms, steps) + 1
+  return step, params, state, mesh, axis
+
+
+@pytest.mark.parametrize("case,layout", [(case, "replicated") for case in CASES]
+                         + [("acpsgd", "hierarchical"), ("acpsgd", "fsdp")])
+def test_one_program_per_form_gives_the_bits_of_the_switch(case, layout):
+  _forms_give_the_bits_of_the_switch(case, layout)
+
+
+def test_forms_of_the_sampled_threshold_give_the_bits_of_the_switch(monkeypatch):
+  """DGC's 768 sparse entries select by lax.top_k on CPU; here by the sampled
+  threshold, whose loops and fallback then sit in each form and in the switch's
+  branches alike."""
+  every_size = selection.Tuning(sampled_min_size=None)
+  monkeypatch.setattr(selection, "tuning_for", lambda backend=None: every_size)
+  step, params, state, mesh, axis = _forms_give_the_bits_of_the_switch(
+      "dgc_warmup", "replicated")
+  batch = training.shard(_batch(0), mesh, axis)
+  control = harness.control_flow(step.lower(params, state, batch, form=0).compile().as_text())
+  assert control["while"]  # the threshold's loops: lax.top_k has none
 
 
 @pytest.mark.parametrize("case", CASES)
