@@ -1,5 +1,5 @@
-"""Eight fake CPU devices for every test, set before any backend starts, and one
-compilation cache for the whole run.
+"""Eight fake CPU devices for every test, set before any backend starts, one
+compilation cache for the whole run, and the slowest modules first.
 
 Many tests compile the same program (a method's step on the same mesh, the
 step a fresh process compiles again to resume a checkpoint). The run's first
