@@ -157,9 +157,9 @@ def dgc(
      under a ``lax.cond`` with no collective inside (devices may take
      different branches). ``sample_ratio=1.0`` always uses ``lax.top_k``,
      and so does every ratio on GPU and TPU, where one ``top_k`` kernel is
-     faster than the threshold's passes, and on CPU a sparse bucket of
-     fewer than 4,096 entries, where ``lax.top_k`` takes at most 0.15 ms,
-     is exact and compiles in a tenth of the time (``selection.tuning_for``).
+     faster than the threshold's passes (``selection.tuning_for``), and on
+     CPU a sparse bucket of fewer than 4,096 entries, where ``lax.top_k`` is
+     exact and quicker to compile (``selection.Tuning.sampled_min_size``).
      Every device's ``(values / P, indices)`` is all-gathered and the mean
      is their scatter-add.
   4. *Momentum factor masking*: ``v`` keeps what was not sent (``v - sent``,
