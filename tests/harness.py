@@ -8,6 +8,8 @@ matter, which the tests arrange with integer-valued or power-of-two data).
 
 import collections
 import functools
+import os
+import pathlib
 
 import chex
 import jax
@@ -16,6 +18,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from experiments import hlo_counts
+import jaxcomp
 from jaxcomp import collectives
 from jaxcomp import protocol
 from jaxcomp import training
@@ -23,6 +26,15 @@ from jaxcomp import wire
 from jaxcomp._src import draws
 
 EMPTY = collectives.EMPTY_INDEX
+
+
+def fresh_process_env() -> dict:
+  """The environment of a fresh process a test starts: on CPU, and importing the
+  ``jaxcomp`` this process tests (its checkout first on ``PYTHONPATH``), not whichever
+  one the interpreter would find from the script's own directory."""
+  checkout = str(pathlib.Path(jaxcomp.__file__).resolve().parents[1])
+  path = os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
 
 
 class Clipped:

@@ -42,6 +42,7 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
 
+import harness  # noqa: E402
 import jaxcomp  # noqa: E402
 from jaxcomp import registry  # noqa: E402
 from jaxcomp import training  # noqa: E402
@@ -276,7 +277,7 @@ def test_every_method_restores_onto_4_devices_and_back_onto_8(layout, saved_on_8
   done = subprocess.run(
       [sys.executable, __file__, "restore", str(directory), layout],
       capture_output=True, text=True, timeout=600,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+      env=harness.fresh_process_env())
   assert done.returncode == 0, done.stdout + done.stderr
 
   failures = {}

@@ -42,6 +42,7 @@ import numpy as np
 import optax
 import pytest
 
+import harness
 import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
@@ -321,7 +322,7 @@ def resumed(run, checkpoints, tmp_path_factory):
     done = subprocess.run(
         [sys.executable, __file__, "resume", mesh_name, str(checkpoints), str(out)],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        env=harness.fresh_process_env())
     return done, out
 
   return resume
@@ -340,6 +341,23 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_process(run, resumed, name, m
     assert len(got.files) == len(want)
     for i, expected in enumerate(want):
       np.testing.assert_array_equal(got[f"arr_{i}"], expected, err_msg=f"leaf {i}")
+
+
+def test_the_fresh_process_imports_the_jaxcomp_under_test(tmp_path, monkeypatch):
+  """A script run from ``tests/`` finds ``jaxcomp`` on ``PYTHONPATH`` or in the
+  environment's packages, which may be another copy than this checkout's (a
+  ``jaxcomp`` installed without ``-e``): the fresh process would then resume with
+  code this run does not test. A decoy first on ``PYTHONPATH`` stands for it."""
+  decoy = tmp_path / "jaxcomp"
+  decoy.mkdir()
+  (decoy / "__init__.py").write_text("")
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  done = subprocess.run(
+      [sys.executable, "-c", "import jaxcomp; print(jaxcomp.__file__)"],
+      cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120,
+      env=harness.fresh_process_env())
+  assert done.returncode == 0, done.stderr
+  assert pathlib.Path(done.stdout.strip()).resolve() == pathlib.Path(jaxcomp.__file__).resolve()
 
 
 # ------------------------------------------------------------------ bad input
