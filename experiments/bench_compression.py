@@ -430,8 +430,8 @@ def _cpu_note(fast: int) -> str:
   if device.platform != "cpu":
     return f"{fast} devices of {device.device_kind} ({device.platform})"
   return (f"{fast} fake CPU devices (`jax_num_cpu_devices`) in one process on {cores} CPU"
-          f" cores: each device gets roughly {cores / fast:g} core(s) (the devices share XLA's"
-          " CPU thread pool; nothing is pinned)")
+          f" cores ({processor()}): each device gets roughly {cores / fast:g} core(s) (the"
+          " devices share XLA's CPU thread pool; nothing is pinned)")
 
 
 def run_hierarchical(args, argv, names, log=print) -> str:
@@ -549,8 +549,31 @@ SINGLE_COLUMNS = ("compressor", "ms/step", "x dense", "compile s", "kernels", "p
 def _device_note() -> str:
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return f"one CPU device on {os.cpu_count()} cores, {_malloc_note()}"
+    return f"one CPU device on {os.cpu_count()} cores ({processor()}), {_malloc_note()}"
   return f"one {device.device_kind} ({device.platform})"
+
+
+def processor(cpuinfo: Optional[str] = None) -> str:
+  """The CPU's model and the widest vector instructions XLA:CPU may use on it, e.g.
+  ``"AMD EPYC, AVX2"``: XLA:CPU compiles for the CPU it runs on, so milliseconds
+  compare across tables only between CPUs alike (kernels and passes do not
+  change). Read from ``cpuinfo`` (the text of ``/proc/cpuinfo`` by default) and
+  ``XLA_FLAGS`` (``--xla_cpu_max_isa``); ``"CPU not named"`` without the file."""
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return "CPU not named"
+  model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+  flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+  flags = set(flags.group(1).split()) if flags else set()
+  widest = ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+            else "AVX" if "avx" in flags else "no AVX")
+  capped = re.search(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", ""))
+  if capped:
+    widest += f", XLA capped at {capped.group(1)}"
+  return f"{model.group(1).strip() if model else 'CPU'}, {widest}"
 
 
 def _malloc_note() -> str:

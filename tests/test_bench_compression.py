@@ -193,6 +193,20 @@ def test_the_device_note_says_how_malloc_backs_memory(monkeypatch, tunables, not
   assert bench_compression._device_note().endswith(note)
 
 
+@pytest.mark.parametrize("flags, xla_flags, name", [
+    ("fpu sse2 avx avx2 fma", "", "AMD EPYC, AVX2"),
+    ("fpu avx avx2 avx512f avx512bw", "", "AMD EPYC, AVX-512"),
+    ("fpu avx avx2 avx512f", "--xla_cpu_max_isa=AVX2", "AMD EPYC, AVX-512, XLA capped at AVX2"),
+    ("fpu sse2", "", "AMD EPYC, no AVX"),
+])
+def test_the_device_note_names_the_cpu_and_its_vector_instructions(monkeypatch, flags,
+                                                                   xla_flags, name):
+  monkeypatch.setenv("XLA_FLAGS", xla_flags)
+  cpuinfo = f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+  assert bench_compression.processor(cpuinfo) == name
+  assert bench_compression.processor("").startswith("CPU, no AVX")  # no model, no flags
+
+
 def test_a_method_with_forms_has_a_row_per_form(tmp_path):
   out = tmp_path / "forms.md"
   bench_compression.main(["--model", "tiny", "--repeats", "1", "--rank", "2", "--only",
