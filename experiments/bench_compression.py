@@ -566,14 +566,16 @@ def processor(cpuinfo: Optional[str] = None) -> str:
     except OSError:
       return "CPU not named"
   model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+  parts = [model.group(1).strip() if model else "CPU"]
   flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-  flags = set(flags.group(1).split()) if flags else set()
-  widest = ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
-            else "AVX" if "avx" in flags else "no AVX")
+  if flags:  # x86's; other CPUs name their features otherwise
+    flags = set(flags.group(1).split())
+    parts.append("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+                 else "AVX" if "avx" in flags else "no AVX")
   capped = re.search(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", ""))
   if capped:
-    widest += f", XLA capped at {capped.group(1)}"
-  return f"{model.group(1).strip() if model else 'CPU'}, {widest}"
+    parts.append(f"XLA capped at {capped.group(1)}")
+  return ", ".join(parts)
 
 
 def _malloc_note() -> str:
