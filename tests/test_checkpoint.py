@@ -23,7 +23,6 @@ this module is that fresh process.
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 import subprocess
 import sys
