@@ -340,16 +340,19 @@ def _radix_fn(capacity, size):
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**16), levels=st.sampled_from([2, 50, None]),
                   k=st.integers(0, 40), size=st.sampled_from([1000, 1003]),
-                  bad=st.sampled_from([None, np.nan, -np.inf]))
+                  bad=st.sampled_from([None, np.nan, -np.inf, "largest nan"]))
 def test_the_radix_fallback_is_the_k_largest_bits_of_the_head(seed, levels, k, size, bad):
   """Any k up to the capacity, of a head of ``x``, ties to the lower index (few
-  magnitudes: many ties at the cut), by magnitude bits (NaN above inf); in index
-  order, the slots past k empty."""
+  magnitudes: many ties at the cut), by magnitude bits (NaN above inf, the
+  largest bits a NaN has too: then nothing lies above the cut); in index order,
+  the slots past k empty."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=1003).astype(np.float32)
   if levels is not None:
     x = (np.round(x * levels) / levels).astype(np.float32)
-  if bad is not None:
+  if bad == "largest nan":  # magnitude bits 0x7fffffff, more of them than k
+    x[rng.choice(1003, 50, replace=False)] = np.int32(-1).view(np.float32)
+  elif bad is not None:
     x[rng.choice(1003, 3, replace=False)] = bad
   values, indices = _radix_fn(40, size)(jnp.asarray(x), k)
   bits = np.abs(x[:size]).view(np.int32)
