@@ -266,7 +266,7 @@ def _seconds(step: Callable[[], object]) -> float:
   return time.perf_counter() - start
 
 
-def _rounds(programs: dict, repeats: int) -> tuple[dict, dict]:
+def timed_rounds(programs: dict, repeats: int) -> tuple[dict, dict]:
   """A warm-up round, then ``repeats`` rounds of every program once: ``(warm-up s, rounds)``.
 
   The programs run one after the other, each step blocked before the next
@@ -321,7 +321,7 @@ def hierarchical_rows(
         "hier": build(jaxcomp.hierarchical(registry.build(name, SLOW, **config), FAST, fast)),
         "half_local": build(registry.build(name, SLOW, **config), half),
     }
-    _, rounds = _rounds({p: program.step for p, program in programs.items()}, repeats)
+    _, rounds = timed_rounds({p: program.step for p, program in programs.items()}, repeats)
     row = HierarchicalRow(
         name, _label(name, config), rounds,
         {p: program.compile_s for p, program in programs.items()},
@@ -648,7 +648,7 @@ def run_single(args, argv, table: dict, log=print) -> str:
       programs = {label: compute.compile_update(txs[label], grads, mesh,
                                                 per_device_grads=per_device)
                   for label in phase}
-      _, rounds = _rounds({label: c.step for label, c in programs.items()}, args.repeats)
+      _, rounds = timed_rounds({label: c.step for label, c in programs.items()}, args.repeats)
       dense = statistics.median(rounds["allreduce"]) if "allreduce" in rounds else None
       phase_dense.append(dense)
       for label in phase:

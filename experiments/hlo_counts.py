@@ -41,7 +41,7 @@ _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
           "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id"}
-_CONTROL = {"while", "conditional", "call"}
+CONTROL = {"while", "conditional", "call"}  # ops that run other computations
 _IN_PLACE = {"scatter", "dynamic-update-slice"}
 _SLICES = {"slice", "dynamic-slice", "gather"}
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
@@ -295,7 +295,7 @@ def _weights(name: str, computations: dict, n: int, stack: tuple,
       working = [ws for ws in branches if ws] or [[]]
       weights.extend(min(working, key=lambda ws: sum(w[0] for w in ws)))
       continue
-    if instruction.op in _CONTROL:
+    if instruction.op in CONTROL:
       for key in ("condition", "body", "to_apply"):
         for callee in called(instruction, key):
           weights.extend(_weights(callee, computations, n, stack, reads_at_write))
