@@ -24,6 +24,26 @@ def test_uniform_is_in_unit_interval_with_mean_one_half():
   assert abs(got.mean() - 0.5) < 0.005
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uniform_fills_bins_evenly_and_neighbours_are_unrelated(seed):
+  """Consecutive counters are what a weak hash betrays: 64 bins, then the 16 x 16 bins
+  of (u_i, u_{i+1}), each within a chi-square bound (p about 1e-4), and the lag-1
+  and lag-2 correlations within 5 standard deviations."""
+  n = 1 << 20
+  got = np.asarray(draws.uniform(jax.random.key(seed), n, seed))
+
+  def chi_square(counts):
+    expected = counts.sum() / counts.size
+    return ((counts - expected) ** 2 / expected).sum()
+
+  single = np.bincount((got * 64).astype(int), minlength=64)
+  assert chi_square(single) < 63 + 5 * np.sqrt(2 * 63), single
+  pairs = (got[:-1] * 16).astype(int) * 16 + (got[1:] * 16).astype(int)
+  assert chi_square(np.bincount(pairs, minlength=256)) < 255 + 5 * np.sqrt(2 * 255)
+  for lag in (1, 2):
+    assert abs(np.corrcoef(got[:-lag], got[lag:])[0, 1]) < 5 / np.sqrt(n)
+
+
 def test_a_draw_depends_on_the_key_and_the_stream_only():
   a = draws.bits(jax.random.key(1), 64)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(draws.bits(jax.random.key(1), 64)))

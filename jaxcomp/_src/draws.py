@@ -3,9 +3,10 @@
 ``jax.random`` runs threefry's rounds as a loop of their own on CPU (scalar
 copies each round, about 26 kernels per call, and for ``n`` draws its passes
 over ``n`` words); a draw here is ``mix(mix(i ^ w0) ^ w1)`` for position
-``i``, where ``w0, w1`` are hashed from the key's own two data words (no
-threefry call at all) and ``mix`` is a bijective 32-bit hash, so XLA fuses it
-into whatever reads it. A ``stream`` gives one key several independent draws
+``i`` (:func:`uniform`, one per entry of a gradient, is one round,
+``mix(i ^ w0) ^ w1``), where ``w0, w1`` are hashed from the key's own two data
+words (no threefry call at all) and ``mix`` is a bijective 32-bit hash, so
+XLA fuses it into whatever reads it. A ``stream`` gives one key several independent draws
 (a device's, a hop's): it is hashed into ``w0``. New keys come the same way
 (:func:`derive`, :func:`step_keys`): the shared path's per-step key split
 makes no threefry call either. Not for cryptography: for rounding noise and
@@ -47,11 +48,15 @@ def bits_at(key: jax.Array, counters: jax.Array, stream=0) -> jax.Array:
   of zeros no zeros. A few chosen entries are drawn without the ones before
   them.
   """
+  first, second = _words(key, stream)
+  return _mix(_mix(jnp.asarray(counters).astype(jnp.uint32) ^ first) ^ second)
+
+
+def _words(key: jax.Array, stream) -> tuple[jax.Array, jax.Array]:
+  """``(w0, w1)`` of :func:`bits_at`: uint32 scalars of the key's data words and the stream."""
   data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
   salt = jnp.uint32(0x9E3779B9) * (jnp.asarray(stream).astype(jnp.uint32) + jnp.uint32(1))
-  first = _mix(data[0] ^ _mix(salt))
-  second = _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
-  return _mix(_mix(jnp.asarray(counters).astype(jnp.uint32) ^ first) ^ second)
+  return _mix(data[0] ^ _mix(salt)), _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
 
 
 def derive(key: jax.Array, stream=0) -> jax.Array:
@@ -72,8 +77,21 @@ def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def uniform(key: jax.Array, n: int, stream=0) -> jax.Array:
-  """``f32[n]``, uniform on ``[0, 1)`` in steps of ``2**-24``: the top 24 of :func:`bits`."""
-  return (bits(key, n, stream) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  """``f32[n]``, uniform on ``[0, 1)`` in steps of ``2**-24``: the top 24 bits of
+  ``mix(i ^ w0) ^ w1`` (:func:`bits_at`'s words), one round of the hash.
+
+  QSGD draws one per entry of the gradient and per hop; the second round of
+  :func:`bits` was about a seventh of the kernels that draw them (ResNet-50,
+  one CPU device, the kernels that hash: 119 to 126 thread-ms a step with two
+  rounds, 100 to 110 with one, in paired runs; ``experiments.kernel_times``).
+  One round of lowbias32 already passes the tests of ``tests/test_draws.py``
+  (equidistribution, neighbours and streams uncorrelated). As with two
+  rounds, stream ``s``'s draw at ``i`` is stream ``t``'s at ``i ^ d`` for a
+  fixed ``d``: one value rounds two different entries, which are unrelated.
+  """
+  first, second = _words(key, stream)
+  word = _mix(lax.iota(jnp.uint32, n) ^ first) ^ second
+  return (word >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def integers(key: jax.Array, n: int, high: int) -> jax.Array:
