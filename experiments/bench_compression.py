@@ -481,6 +481,22 @@ def hierarchical_names(only: str = "") -> list[str]:
           or any(n.startswith(p) for p in wanted)]
 
 
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+  """``--rank`` and ``--density``, which replace each method's own (:func:`compressors`)."""
+  parser.add_argument("--rank", type=int, default=4, help="PowerSGD / ACP-SGD rank")
+  parser.add_argument("--density", type=float, default=0.001, help="sparsifiers' density")
+
+
+def selected(table: dict, only: str) -> dict:
+  """The rows of ``table`` whose label starts with one of the comma-separated prefixes
+  of ``only`` (every row when it names none), and always the dense baseline's
+  (``allreduce``, with buckets too)."""
+  wanted = [p for p in only.split(",") if p]
+  return {label: factory for label, factory in table.items()
+          if label.startswith("allreduce") or not wanted
+          or any(label.startswith(p) for p in wanted)}
+
+
 def _use_cpu_devices(count: int) -> None:
   """``count`` fake CPU devices, where JAX has not started yet (a test's conftest may have)."""
   try:
@@ -496,8 +512,7 @@ def main(argv=None) -> None:
   parser.add_argument("--model", choices=[*MODELS, "all"], default="all",
                       help="all: resnet50 and transformer")
   parser.add_argument("--repeats", type=int, default=5, help="timed steps per compressor")
-  parser.add_argument("--rank", type=int, default=4, help="PowerSGD / ACP-SGD rank")
-  parser.add_argument("--density", type=float, default=0.001, help="sparsifiers' density")
+  add_setting_flags(parser)
   parser.add_argument("--devices", type=int, default=8,
                       help="workers for the bytes column (formula, ring)")
   parser.add_argument("--only", default="",
@@ -531,12 +546,8 @@ def main(argv=None) -> None:
                    f" {len(jax.devices())} (set before JAX started)")
     report = run_hierarchical(args, argv, hierarchical_names(args.only))
   else:
-    table = compressors(args.rank, args.density, args.bucket_cap_mb)
-    wanted = [p for p in args.only.split(",") if p]
-    report = run_single(args, argv, {
-        name: factory for name, factory in table.items()
-        # the dense baseline, with buckets too, is always timed
-        if name.startswith("allreduce") or not wanted or any(name.startswith(p) for p in wanted)})
+    report = run_single(args, argv, selected(
+        compressors(args.rank, args.density, args.bucket_cap_mb), args.only))
   if args.out:
     with open(args.out, "w") as f:
       f.write(report)

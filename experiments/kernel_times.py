@@ -113,10 +113,9 @@ def render(label: str, kernels: list[Kernel], step_ms: float, dense_ms: float,
 def run(args, argv: list[str], log=print) -> str:
   """Every selected compressor's kernels, and ``allreduce``'s; the Markdown report
   (``argv``: the command's arguments, named in its header)."""
-  table = bench_compression.compressors(args.rank, args.density, args.bucket_cap_mb)
-  wanted = [p for p in args.only.split(",") if p]
-  labels = ["allreduce"] + [label for label in table if label != "allreduce" and (
-      not wanted or any(label.startswith(p) for p in wanted))]
+  table = bench_compression.selected(
+      bench_compression.compressors(args.rank, args.density, args.bucket_cap_mb), args.only)
+  labels = ["allreduce"] + [label for label in table if label != "allreduce"]
   grads = shapes.normal(bench_compression.MODELS[args.model](), jax.random.key(0))
   mesh = training.make_mesh(1)
   per_device = training.stack_per_device(grads, mesh, compute.AXIS)
@@ -148,12 +147,12 @@ def main(argv=None) -> None:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=list(bench_compression.MODELS), default="resnet50")
   parser.add_argument("--only", default="",
-                      help="comma-separated label prefixes of compressors (allreduce always runs)")
+                      help="comma-separated label prefixes of compressors (allreduce,"
+                           " with buckets too, always runs)")
   parser.add_argument("--repeats", type=int, default=5,
                       help="steps timed, and steps profiled, per compressor")
   parser.add_argument("--top", type=int, default=12, help="kernels listed per compressor")
-  parser.add_argument("--rank", type=int, default=4, help="PowerSGD / ACP-SGD rank")
-  parser.add_argument("--density", type=float, default=0.001, help="sparsifiers' density")
+  bench_compression.add_setting_flags(parser)
   parser.add_argument("--bucket-cap-mb", type=float, default=0.0,
                       help="also each compressor with buckets of this many MiB (0: one bucket)")
   parser.add_argument("--out", default="", help="also write the Markdown report to this path")
