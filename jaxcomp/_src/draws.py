@@ -6,11 +6,11 @@ over ``n`` words); a draw here is ``mix(mix(i ^ w0) ^ w1)`` for position
 ``i`` (:func:`uniform`, one per entry of a gradient, is one round,
 ``mix(i ^ w0) ^ w1``), where ``w0, w1`` are hashed from the key's own two data
 words (no threefry call at all) and ``mix`` is a bijective 32-bit hash, so
-XLA fuses it into whatever reads it. A ``stream`` gives one key several independent draws
-(a device's, a hop's): it is hashed into ``w0``. New keys come the same way
-(:func:`derive`, :func:`step_keys`): the shared path's per-step key split
-makes no threefry call either. Not for cryptography: for rounding noise and
-sample positions.
+XLA fuses it into whatever reads it. A ``stream`` gives one key several
+independent draws (a device's, a hop's): it is hashed into ``w0``. New keys
+come the same way (:func:`derive`, :func:`step_keys`): the shared path's
+per-step key split makes no threefry call either. Not for cryptography: for
+rounding noise and sample positions.
 
 Reference:
   C. Wellons, `Prospecting for Hash Functions
