@@ -11,7 +11,9 @@ A loop's or a conditional's row is the span of its own event, which may hold
 the kernels it runs (listed too), so it is left out of the step's total.
 ``allreduce`` is always measured, in the same process, as the baseline; a
 step's median wall milliseconds, taken before the profiled steps in rounds
-that rotate the programs' order, are printed beside it.
+that rotate the programs' order, are printed beside it. Every program holds
+its state at once (a residual of the whole gradient for most: about 0.4 GB
+each for the transformer), so name a few with ``--only`` there.
 
 On CPU it shows what the passes alone do not: a kernel writing a buffer the
 step allocates anew pays for its page faults (dense's copy of the gradient
