@@ -476,9 +476,7 @@ def run_hierarchical(args, argv, names, log=print) -> str:
 
 def hierarchical_names(only: str = "") -> list[str]:
   """The registry's names (``allreduce`` always), kept to the ``--only`` prefixes if any."""
-  wanted = [p for p in only.split(",") if p]
-  return [n for n in registry.names() if n == "allreduce" or not wanted
-          or any(n.startswith(p) for p in wanted)]
+  return list(selected(dict.fromkeys(registry.names()), only))
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
