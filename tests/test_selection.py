@@ -340,23 +340,27 @@ def _radix_fn(capacity, size):
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**16), levels=st.sampled_from([2, 50, None]),
                   k=st.integers(0, 40), size=st.sampled_from([1000, 1003]),
-                  bad=st.sampled_from([None, np.nan, -np.inf, "largest nan"]))
-def test_the_radix_fallback_is_the_k_largest_bits_of_the_head(seed, levels, k, size, bad):
+                  bad=st.sampled_from([None, np.nan, -np.inf, "largest nan", "nan and inf"]))
+def test_the_radix_fallback_is_the_k_largest_magnitudes_of_the_head(seed, levels, k, size,
+                                                                     bad):
   """Any k up to the capacity, of a head of ``x``, ties to the lower index (few
-  magnitudes: many ties at the cut), by magnitude bits (NaN above inf, the
-  largest bits a NaN has too: then nothing lies above the cut); in index order,
-  the slots past k empty."""
+  magnitudes: many ties at the cut), NaN ranked as inf (a NaN of the largest bits
+  too, and NaN tied with inf at the cut); in index order, the slots past k empty."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=1003).astype(np.float32)
   if levels is not None:
     x = (np.round(x * levels) / levels).astype(np.float32)
   if bad == "largest nan":  # magnitude bits 0x7fffffff, more of them than k
     x[rng.choice(1003, 50, replace=False)] = np.int32(-1).view(np.float32)
+  elif bad == "nan and inf":  # more of them than k: their ties decide the set
+    x[rng.choice(1003, 25, replace=False)] = np.nan
+    x[rng.choice(1003, 25, replace=False)] = -np.inf
   elif bad is not None:
     x[rng.choice(1003, 3, replace=False)] = bad
   values, indices = _radix_fn(40, size)(jnp.asarray(x), k)
-  bits = np.abs(x[:size]).view(np.int32)
-  want = np.sort(np.argsort(-bits, kind="stable")[:k])
+  magnitude = np.abs(x[:size])
+  magnitude[np.isnan(magnitude)] = np.inf
+  want = np.sort(np.argsort(-magnitude, kind="stable")[:k])
   np.testing.assert_array_equal(np.asarray(indices)[:k], want)
   assert np.all(np.asarray(indices)[k:] == EMPTY)
   harness.assert_bitwise_equal(values, np.concatenate([x[want], np.zeros(40 - k, np.float32)]))
@@ -392,6 +396,43 @@ def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
   z[::3] = 1.0
   z[[10, 11]] = -2.0
   _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
+
+
+def _nan_as_inf_topk(x, k):
+  """The positions of the k largest magnitudes, NaN ranked as inf, ties to the lower
+  index, in index order."""
+  magnitude = np.abs(x)
+  magnitude[np.isnan(magnitude)] = np.inf
+  return np.sort(np.argsort(-magnitude, kind="stable")[:k])
+
+
+@pytest.mark.parametrize("route", ["exact_topk", "sampled_topk"])
+def test_both_branches_rank_nan_as_inf_ties_to_the_lower_index(route):
+  """More NaN and infinities than k: the set is decided by their ties. The fast branch
+  (the sample's threshold is inf's, and about 1.5 k lie at or above it) and the radix
+  fallback (a candidate buffer too narrow) give the same set."""
+  n, k = 8192, 64
+  rng = np.random.default_rng(9)
+  x = _normal(n, 9)
+  x[rng.choice(n, 48, replace=False)] = np.nan
+  x[rng.choice(n, 48, replace=False)] = -np.inf
+  want = _nan_as_inf_topk(x, k)
+  wide, narrow = selection.Tuning(), selection.Tuning(candidate_factor=1)
+  taken = set()
+  for tuning in (wide, narrow):
+    candidates = selection.candidate_capacity(n, k, tuning)
+    _, total = selection.threshold_candidates(jnp.asarray(x), k, jax.random.key(0), 0.25,
+                                              candidates, tuning)
+    taken.add("fast" if k <= int(total) <= candidates else "fallback")
+    select = {
+        "exact_topk": lambda x, t=tuning: selection.exact_topk(x, k, jax.random.key(0), 0.25, t),
+        "sampled_topk": lambda x, t=tuning: selection.sampled_topk(
+            x, k, k, jax.random.key(0), 0.25, t),
+    }[route]
+    values, indices = jax.jit(select)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(indices), want)
+    harness.assert_bitwise_equal(values, x[want])
+  assert taken == {"fast", "fallback"}
 
 
 @pytest.mark.parametrize("traced", [False, True])

@@ -40,10 +40,6 @@ _WORD = 32  # mask bits packed per word by the compaction
 # The sample is read in runs of this many consecutive entries (cache lines,
 # not scattered words): one run at a random offset in each equal stratum.
 _RUN = 32
-# Radix passes for the sampled threshold: the 8 exponent and 8 highest
-# mantissa bits (the estimate is rounded down by less than 0.4%, so slightly
-# more is kept).
-_SAMPLE_BITS = 16
 
 
 class Tuning(NamedTuple):
@@ -203,11 +199,6 @@ def _as_magnitude(key: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(key, jnp.float32)
 
 
-def _magnitude_bits(x: jax.Array) -> jax.Array:
-  """``|x|`` as int32 bits: ordered like the magnitudes (NaN above ``inf``)."""
-  return lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
-
-
 def _kth_largest_bits(bits: jax.Array, k, passes: int = 31) -> jax.Array:
   """The ``k``-th largest of non-negative int32 ``bits`` (entries < 0 ignored).
 
@@ -256,10 +247,10 @@ def _select_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
 
 
 def _pack(x: jax.Array, keep: Callable[[jax.Array], jax.Array], valid=None) -> jax.Array:
-  """``uint32[..., len(x) / 32]``: bit ``j`` of word ``w`` is ``keep(bits)`` of ``x[32 w + j]``,
-  ``bits`` its magnitude's (:func:`_magnitude_bits`); ``keep`` may give masks along
-  leading axes (``[..., len(x)]``), packed in the same pass."""
-  mask = keep(_magnitude_bits(x))
+  """``uint32[..., len(x) / 32]``: bit ``j`` of word ``w`` is ``keep(key)`` of ``x[32 w + j]``,
+  ``key`` its magnitude's (:func:`_magnitude_key`: NaN as ``inf``); ``keep`` may give
+  masks along leading axes (``[..., len(x)]``), packed in the same pass."""
+  mask = keep(_magnitude_key(x))
   if valid is not None:
     mask = mask & valid
   shifted = (mask.reshape(*mask.shape[:-1], -1, _WORD).astype(jnp.uint32)
@@ -333,13 +324,14 @@ def _scan_tree(x: jax.Array) -> jax.Array:
 
 
 def _compact(x: jax.Array, threshold: jax.Array, capacity: int):
-  """Indices of the entries with magnitude bits ``>= threshold``, the first ``capacity``
-  (:func:`_compact_where`)."""
-  return _compact_where(x, lambda bits: bits >= threshold, capacity)
+  """Indices of the entries whose magnitude key (:func:`_magnitude_key`) is ``>= threshold``,
+  the first ``capacity`` (:func:`_compact_where`)."""
+  return _compact_where(x, lambda key: key >= threshold, capacity)
 
 
 def _compact_where(x: jax.Array, keep: Callable[[jax.Array], jax.Array], capacity: int):
-  """Indices of the entries whose magnitude bits ``keep`` holds for, the first ``capacity``.
+  """Indices of the entries whose magnitude key (:func:`_magnitude_key`) ``keep`` holds for,
+  the first ``capacity``.
 
   One pass packs the mask into 32-bit words (:func:`_words`); a prefix sum of the per-word counts
   (``n / 32`` of them, :func:`_prefix_sum`) gives each word's first slot; each output slot then
@@ -398,7 +390,15 @@ def threshold_candidates(
   oversample = (tuning or Tuning()).oversample
   target = jnp.ceil(oversample * jnp.asarray(k, jnp.float32) * (size / n))
   target = jnp.clip(target, 1, size).astype(jnp.int32)
-  threshold = _kth_largest_bits(_magnitude_bits(x[positions]), target, _SAMPLE_BITS)
+  # The sample's largest keys, as many as the largest target (k is at most the
+  # candidates): one top_k kernel, where a radix search is a loop of 16 passes
+  # and its copies (8 kernels more a selection, no faster).
+  most = min(size, max(1, math.ceil(oversample * candidates * size / n)))
+  largest, _ = lax.top_k(_as_magnitude(_magnitude_key(x[positions])), most)
+  # Behind a barrier: read at a traced position, the top_k would become a full sort
+  # (:func:`select_topk`).
+  largest = lax.optimization_barrier(largest)
+  threshold = lax.bitcast_convert_type(largest[jnp.minimum(target, most) - 1], jnp.int32)
   return _compact(x, threshold, candidates)
 
 
@@ -414,7 +414,7 @@ def sampled_topk(
      sample, read in increasing order, so memory traffic stays about ``4 s``
      bytes; with strata shorter than a run, ``s`` uniform positions). The
      threshold ``t`` is the ``ceil(oversample * k * s / n)``-th largest
-     magnitude of the sample (a radix search, no sort).
+     magnitude of the sample (NaN as ``inf``), from one ``lax.top_k`` of it.
   2. Count and compact the entries ``|x| >= t`` into a candidate buffer of
      ``candidate_factor * capacity`` (:func:`_compact`: one pass over ``x``).
   3. If the count is within ``[min_fraction * k, candidate_factor *
@@ -477,13 +477,13 @@ def sampled_topk(
 def _largest_candidates(x, index, total, k, capacity):
   """The ``min(k, total)`` largest magnitudes among the candidates ``index``.
 
-  Exact among them, ties to the lowest index (as ``lax.top_k``), in
-  increasing index order; slots past them are empty.
+  Exact among them, NaN ranked as ``inf``, ties to the lowest index (as
+  ``lax.top_k``), in increasing index order; slots past them are empty.
   """
   valid = index != collectives.EMPTY_INDEX
   safe_index = jnp.where(valid, index, 0)
   cand_values = jnp.where(valid, x[safe_index], 0).astype(x.dtype)
-  cand_bits = jnp.where(valid, _magnitude_bits(cand_values), -1)
+  cand_bits = jnp.where(valid, _magnitude_key(cand_values), -1)
   cut = _kth_largest_bits(cand_bits, jnp.minimum(k, total))
   above = cand_bits > cut
   ties = cand_bits == cut
@@ -524,8 +524,8 @@ def exact_topk(
   exact top-k; otherwise (a sample that missed, or many equal magnitudes)
   it falls back to a radix search over the whole of ``x``
   (:func:`_topk_by_radix`), under a ``lax.cond`` with no collective inside.
-  Either way gives the same set, ranked by magnitude bits (NaN above
-  ``inf``), ties to the lower index, so devices that take different
+  Either way gives the same set, ranked by magnitude (NaN as ``inf``, as
+  :func:`select_topk`), ties to the lower index, so devices that take different
   branches still agree, and a non-finite ``x`` has a non-finite entry
   selected. The key only moves the sample, never the result.
 
@@ -565,14 +565,14 @@ def exact_topk(
 
 def _topk_by_radix(x: jax.Array, capacity: int, k=None,
                    size: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
-  """The ``k`` (default ``capacity``) largest magnitude bits of ``x[:size]``
-  (:func:`_magnitude_bits`: NaN above ``inf``), ties to the lower index, in increasing
+  """The ``k`` (default ``capacity``) largest magnitude keys of ``x[:size]``
+  (:func:`_magnitude_key`: NaN as ``inf``), ties to the lower index, in increasing
   index order, by passes over ``x`` alone (each reads the head where it lies: a
   slice handed to the loop would be copied out first).
 
   The fallback of :func:`exact_topk` and :func:`sampled_topk`. The ``k``-th
-  largest bits ``t`` by a radix search of 31 passes, each counting the entries
-  at or above a candidate in :func:`_words` (a barrier keeps the bits inside
+  largest key ``t`` by a radix search of 31 passes, each counting the entries
+  at or above a candidate in :func:`_words` (a barrier keeps the keys inside
   the loop: hoisted out of it they would be a buffer of ``x``'s size); then
   every entry above ``t`` and the first of those equal to it, both sets
   compacted in one more pass. No buffer the size of ``x`` is made, where
@@ -595,13 +595,13 @@ def _topk_by_radix(x: jax.Array, capacity: int, k=None,
 
   def at_least(candidate, i):
     seen, _ = lax.optimization_barrier((x, i))
-    words = _words(seen[:size], lambda bits: bits >= candidate)
+    words = _words(seen[:size], lambda key: key >= candidate)
     return jnp.sum(lax.population_count(words).astype(jnp.int32))
 
   cut = _radix_search(at_least, k)
   # Both sets in one pass and one compaction's kernels.
   (above, ties), (above_count, _) = _compact_where(
-      x[:size], lambda bits: jnp.stack([bits > cut, bits == cut]), capacity)
+      x[:size], lambda key: jnp.stack([key > cut, key == cut]), capacity)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   # Fewer than ``k`` lie above the cut; the first ties fill the rest.
   ties = jnp.where(slot < k - above_count, ties, collectives.EMPTY_INDEX)
