@@ -296,8 +296,11 @@ def _prefix_sum(x: jax.Array) -> jax.Array:
 
 # A constant of the program, not computed in it.
 _TRIANGLE = np.triu(np.ones((_SCAN_BLOCK, _SCAN_BLOCK), np.float32))
-# The top of the tree sums up to this many entries in one product.
-_SCAN_TOP = 128
+# The top of the tree sums up to this many entries in one product (at most 1M
+# multiply-adds a row): a compaction of 6.5M entries goes up 3 levels where it went
+# up 4 with 128, and its candidates' 2 where they went up 3; 4 kernels fewer a
+# selection, in the same time (XLA:CPU).
+_SCAN_TOP = 1024
 
 
 def _prefix_sum_f32(x: jax.Array) -> jax.Array:
