@@ -170,6 +170,8 @@ def test_prefix_sum_past_2_24_keeps_its_order_against_smaller_counts():
   small = want < 2**24
   np.testing.assert_array_equal(got[small], want[small])
   assert np.all(got[~small] >= 2**24) and np.all(np.diff(got) >= 0)
+  exact = jax.jit(lambda x: selection._prefix_sum(x, exact=True))(x)
+  np.testing.assert_array_equal(np.asarray(exact), want)  # int32: exact below 2**31
 
 
 def test_kth_largest_bits_matches_sort():

@@ -276,7 +276,7 @@ def _words(x: jax.Array, keep: Callable[[jax.Array], jax.Array]) -> jax.Array:
 _SCAN_BLOCK = 32
 
 
-def _prefix_sum(x: jax.Array) -> jax.Array:
+def _prefix_sum(x: jax.Array, exact: bool = False) -> jax.Array:
   """Inclusive prefix sums along the last axis of a non-negative int32 ``x``, in a few kernels
   per level.
 
@@ -289,9 +289,13 @@ def _prefix_sum(x: jax.Array) -> jax.Array:
   Rows (leading axes) share every kernel. The products run in f32, exact
   while the sums stay below ``2**24``; a larger sum may round but keeps its
   order against any integer below ``2**24`` (the selections compare them
-  with slot counts below it, and discard a count above the buffer).
+  with slot counts below it, and discard a count above the buffer). With
+  ``exact``, in int32: exact below ``2**31``, at 1.2-1.5x the time on XLA:CPU
+  (no BLAS kernel; 0.23 against 0.20 ms for 13,108 entries, 4.5 against 2.9 for 2M).
   """
-  return _prefix_sum_f32(x.astype(jnp.float32)).astype(jnp.int32)
+  if exact:
+    return _prefix_sum_of(x)
+  return _prefix_sum_of(x.astype(jnp.float32)).astype(jnp.int32)
 
 
 # A constant of the program, not computed in it.
@@ -303,7 +307,7 @@ _TRIANGLE = np.triu(np.ones((_SCAN_BLOCK, _SCAN_BLOCK), np.float32))
 _SCAN_TOP = 1024
 
 
-def _prefix_sum_f32(x: jax.Array) -> jax.Array:
+def _prefix_sum_of(x: jax.Array) -> jax.Array:
   m = x.shape[-1]
   # Padded once, so that every level below the top divides into blocks.
   unit = 1
@@ -317,10 +321,11 @@ def _prefix_sum_f32(x: jax.Array) -> jax.Array:
 
 def _scan_tree(x: jax.Array) -> jax.Array:
   m = x.shape[-1]
+  precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   if m <= _SCAN_TOP:
-    return jnp.matmul(x, np.triu(np.ones((m, m), np.float32)), precision=lax.Precision.HIGHEST)
-  within = jnp.matmul(x.reshape(*x.shape[:-1], m // _SCAN_BLOCK, _SCAN_BLOCK), _TRIANGLE,
-                      precision=lax.Precision.HIGHEST)
+    return jnp.matmul(x, np.triu(np.ones((m, m), x.dtype)), precision=precision)
+  within = jnp.matmul(x.reshape(*x.shape[:-1], m // _SCAN_BLOCK, _SCAN_BLOCK),
+                      _TRIANGLE.astype(x.dtype), precision=precision)
   totals = within[..., -1]
   within = within + (_scan_tree(totals) - totals)[..., None]
   return within.reshape(x.shape)
@@ -338,9 +343,11 @@ def _compact_where(x: jax.Array, keep: Callable[[jax.Array], jax.Array], capacit
 
   One pass packs the mask into 32-bit words (:func:`_words`); a prefix sum of the per-word counts
   (``n / 32`` of them, :func:`_prefix_sum`) gives each word's first slot; each output slot then
-  finds its word by binary search and its bit by a popcount search. No
-  ``n``-sized cumsum, scatter or copy. A ``keep`` that gives masks along leading
-  axes (``[..., n]``) has each compacted, all in the same kernels.
+  finds its word by counting the words that end at or before it (one scatter of ones
+  and a prefix sum over the slots: 4 kernels fewer than the loop of a binary search, in
+  the same time) and its bit by a popcount search. No ``n``-sized cumsum, scatter or
+  copy. A ``keep`` that gives masks along leading axes (``[..., n]``) has each
+  compacted, all in the same kernels.
 
   Returns:
     ``(int32 indices [..., capacity] in increasing order, EMPTY_INDEX past
@@ -351,10 +358,13 @@ def _compact_where(x: jax.Array, keep: Callable[[jax.Array], jax.Array], capacit
   ends = _prefix_sum(counts)
   total = ends[..., -1]
   slots = jnp.arange(capacity, dtype=jnp.int32)
-  search = functools.partial(jnp.searchsorted, v=slots, side="right")
-  for _ in range(words.ndim - 1):
-    search = jax.vmap(search)
-  word = jnp.minimum(search(ends), words.shape[-1] - 1)
+  # Slot s lies in the word of index #{w : ends[w] <= s}: a count of the words
+  # ending at each slot (ends past the buffer dropped), summed up the slots, in
+  # int32 (it reaches n / 32, past f32's exact integers for n of 2**29 or more).
+  ending = jnp.zeros(ends.shape[:-1] + (capacity,), jnp.int32)
+  rows = jnp.indices(ends.shape)[:-1]
+  ending = ending.at[(*rows, ends)].add(1, mode="drop")
+  word = jnp.minimum(_prefix_sum(ending, exact=True), words.shape[-1] - 1)
   at_word = functools.partial(jnp.take_along_axis, indices=word, axis=-1)
   rank = slots - (at_word(ends) - at_word(counts))
   index = word * _WORD + _select_bit(at_word(words), rank)
