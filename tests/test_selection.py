@@ -247,6 +247,19 @@ def test_sampled_threshold_candidates_fit_the_capacity():
     assert np.all(np.asarray(index)[int(total):] == EMPTY)
 
 
+def test_the_threshold_and_its_compaction_run_no_loop():
+  """Steps 1 and 2 of the sampled selections are straight-line kernels: the sample's
+  threshold from one top_k (not a radix search's loop), each compacted slot's word
+  from a count (not a binary search's loop), and no branch."""
+  n, k = 65536, 400
+  find = jax.jit(lambda x, key: selection.threshold_candidates(
+      x, k, key, 0.05, selection.candidate_capacity(n, k)))
+  x = jnp.asarray(_normal(n, 4))
+  text = find.lower(x, jax.random.key(0)).compile().as_text()
+  assert not harness.control_flow(text), harness.control_flow(text)
+  assert "top_k" in text or "TopK" in text  # the foil: the threshold comes from a top_k
+
+
 def test_sampled_topk_falls_back_when_the_count_is_off():
   n, k = 4096, 40
   # Equal magnitudes: everything is above any threshold, far above the capacity.
