@@ -348,6 +348,14 @@ def test_exact_topk_falls_back_and_is_still_exact():
   _assert_same_as_lax_top_k(y, k, *_exact_topk(y, k, seed=1, ratio=0.01))
 
 
+def _nan_as_inf_topk(x, k):
+  """The positions of the k largest magnitudes, NaN ranked as inf, ties to the lower
+  index, in index order."""
+  magnitude = np.abs(x)
+  magnitude[np.isnan(magnitude)] = np.inf
+  return np.sort(np.argsort(-magnitude, kind="stable")[:k])
+
+
 @functools.lru_cache(maxsize=None)
 def _radix_fn(capacity, size):
   return jax.jit(lambda x, k: selection._topk_by_radix(x, capacity, k, size))
@@ -374,9 +382,7 @@ def test_the_radix_fallback_is_the_k_largest_magnitudes_of_the_head(seed, levels
   elif bad is not None:
     x[rng.choice(1003, 3, replace=False)] = bad
   values, indices = _radix_fn(40, size)(jnp.asarray(x), k)
-  magnitude = np.abs(x[:size])
-  magnitude[np.isnan(magnitude)] = np.inf
-  want = np.sort(np.argsort(-magnitude, kind="stable")[:k])
+  want = _nan_as_inf_topk(x[:size], k)
   np.testing.assert_array_equal(np.asarray(indices)[:k], want)
   assert np.all(np.asarray(indices)[k:] == EMPTY)
   harness.assert_bitwise_equal(values, np.concatenate([x[want], np.zeros(40 - k, np.float32)]))
@@ -412,14 +418,6 @@ def test_exact_topk_orders_nan_and_infinities_as_lax_top_k():
   z[::3] = 1.0
   z[[10, 11]] = -2.0
   _assert_same_as_lax_top_k(z, k, *_exact_topk(z, k, ratio=0.05))
-
-
-def _nan_as_inf_topk(x, k):
-  """The positions of the k largest magnitudes, NaN ranked as inf, ties to the lower
-  index, in index order."""
-  magnitude = np.abs(x)
-  magnitude[np.isnan(magnitude)] = np.inf
-  return np.sort(np.argsort(-magnitude, kind="stable")[:k])
 
 
 @pytest.mark.parametrize("route", ["exact_topk", "sampled_topk"])
