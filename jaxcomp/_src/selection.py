@@ -347,8 +347,9 @@ def _compact_where(x: jax.Array, keep: Callable[[jax.Array], jax.Array], capacit
   and a prefix sum over the slots: 4 kernels fewer than a binary search's loop, as fast
   at density 0.001 and faster where the slots are many: on 6.5M entries on XLA:CPU an
   exact selection at density 0.1 took 65-71 ms against 97-114, at 0.3 186 against 336)
-  and its bit by a popcount search. No ``n``-sized cumsum, scatter or copy. A ``keep`` that gives masks along leading axes (``[..., n]``) has each
-  compacted, all in the same kernels.
+  and its bit by a popcount search. No ``n``-sized cumsum, scatter or copy. A ``keep``
+  that gives masks along leading axes (``[..., n]``) has each compacted, all in the
+  same kernels.
 
   Returns:
     ``(int32 indices [..., capacity] in increasing order, EMPTY_INDEX past
@@ -408,7 +409,7 @@ def threshold_candidates(
   # most the candidates): one top_k kernel, where a radix search is a loop of 16
   # passes and its copies, 8 kernels more a selection. On 6.5M entries (XLA:CPU)
   # it is as fast at density 0.001; the loop takes 0.5 ms at any density, the
-  # top_k 1 ms at 0.01 and 4-7 ms at 0.1-0.3 (1-5% of the selection's time).
+  # top_k 1 ms at 0.01 and 4-7 ms at 0.1-0.3 (3-8% of the selection's time).
   bound = k if isinstance(k, int) else candidates
   most = min(size, max(1, math.ceil(oversample * bound * size / n)))
   largest, _ = lax.top_k(_as_magnitude(_magnitude_key(x[positions])), most)
