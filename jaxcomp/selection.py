@@ -1,5 +1,8 @@
 """Local top-k selection: which entries of a flat bucket a device sends."""
 
+from jaxcomp._src.native import available as native_available
+from jaxcomp._src.native import topk as native_topk
+from jaxcomp._src.native import unavailable_reason as native_unavailable_reason
 from jaxcomp._src.selection import Tuning as Tuning
 from jaxcomp._src.selection import tuning_for as tuning_for
 from jaxcomp._src.selection import topk as topk
@@ -19,6 +22,9 @@ __all__ = (
     "chunked_length",
     "exact_sample_ratio",
     "exact_topk",
+    "native_available",
+    "native_topk",
+    "native_unavailable_reason",
     "sample_size",
     "sampled_topk",
     "select_topk",

@@ -5,7 +5,9 @@ Many tests compile the same program (a method's step on the same mesh, the
 step a fresh process compiles again to resume a checkpoint). The run's first
 process makes a temporary cache directory and exports it, so that the xdist
 workers and every process a test spawns read and write it; it is removed when
-the run ends. A ``JAX_COMPILATION_CACHE_DIR`` set by the user is used as it is.
+the run ends. A ``JAX_COMPILATION_CACHE_DIR`` set by the user is used as it is. The
+native top-k's library (``jaxcomp._src.native``) is built into the same directory,
+once for the run.
 
 The suite is bound by compiling many small programs, so the CPU backend
 compiles them at LLVM's lowest optimization level: the whole run takes about
@@ -26,6 +28,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
   # Small test programs compile in well under the one-second default.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+  os.environ.setdefault("JAXCOMP_CACHE_DIR", _OWN_CACHE)
 
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(

@@ -36,6 +36,7 @@ def test_the_wheel_ships_jaxcomp_and_not_experiments(tmp_path):
                 if line.startswith("Requires-Dist:")]
   assert "jaxcomp/__init__.py" in names and "jaxcomp/nnx.py" in names
   assert "jaxcomp/_src/protocol.py" in names
+  assert "jaxcomp/_src/topk.cc" in names  # the native top-k builds from it where it is used
   assert not [n for n in names if n.startswith("experiments/")], names
   assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"jaxcomp"}
   # Flax comes with an extra only.

@@ -14,8 +14,9 @@ Three ways to the same question, with their tunables as arguments
 
 :func:`topk` is what the sparsifiers call: the exact set of ``lax.top_k``, by
 the route :func:`tuning_for` picks for the backend: on CPU, buckets of at
-least ``exact_min_size`` entries select with :func:`exact_topk` (one pass over
-the bucket instead of a sort-like ``lax.top_k``), smaller ones with
+least ``exact_min_size`` entries select with :func:`exact_topk`'s entries (one
+pass over the bucket instead of a sort-like ``lax.top_k``), in one custom call
+where :mod:`jaxcomp._src.native` could build it, else in JAX; smaller ones with
 ``lax.top_k``; on GPU and TPU every bucket selects with ``lax.top_k``, whose
 kernel is faster there than a compaction. ``experiments/bench_selection.py``
 measures both routes; the figures are in ``experiments/results/``.
@@ -35,6 +36,7 @@ import numpy as np
 from jaxcomp._src import checks
 from jaxcomp._src import collectives
 from jaxcomp._src import draws
+from jaxcomp._src import native
 
 _WORD = 32  # mask bits packed per word by the compaction
 # The sample is read in runs of this many consecutive entries (cache lines,
@@ -78,6 +80,10 @@ class Tuning(NamedTuple):
       ``top_k`` kernel beats the threshold's loops of small kernels and its
       ``lax.cond``, whose predicate XLA:GPU reads on the host: DGC with 25
       MiB buckets on an H200 (``bench_compression_gpu.md``).
+    native: on CPU, :func:`topk` takes its exact route through one custom call
+      (:mod:`jaxcomp._src.native`, compiled from C++ on first use) wherever
+      it is available: the same entries as :func:`exact_topk` in one kernel
+      where that route is about 43, and no compile time of its own.
     sampled_min_size: with ``sampled``, :func:`sampled_topk` selects by its
       threshold among at least this many entries, and by ``lax.top_k``
       among fewer (``None``: by the threshold at every size). On XLA:CPU,
@@ -100,6 +106,7 @@ class Tuning(NamedTuple):
   argmax_k: int = 8
   sampled: bool = True
   sampled_min_size: Optional[int] = 4096
+  native: bool = True
 
 
 # The CPU default switches to exact_topk where its one pass beats lax.top_k
@@ -107,7 +114,7 @@ class Tuning(NamedTuple):
 # product block by block and samples DGC's threshold; GPUs and TPUs keep
 # lax.top_k and whole products (bench_selection.py, bench_compression_gpu.md).
 _ACCELERATOR = Tuning(exact_min_size=None, row_block=None, product_rows=None, argmax_k=1,
-                      sampled=False)
+                      sampled=False, native=False)
 _BY_BACKEND = {"cpu": Tuning(), "gpu": _ACCELERATOR, "cuda": _ACCELERATOR,
                "rocm": _ACCELERATOR, "tpu": _ACCELERATOR}
 
@@ -633,10 +640,12 @@ def topk(
 ) -> tuple[jax.Array, jax.Array]:
   """The entries ``lax.top_k(|x|, k)`` selects, by the backend's fastest route.
 
-  :func:`exact_topk` on buckets of at least ``tuning.exact_min_size``
-  entries (on CPU, 4M), ``lax.top_k`` otherwise and on GPU and TPU (the
-  defaults of :func:`tuning_for`). The set is the same either way; the order
-  of the slots is not (largest first, or increasing index).
+  :func:`exact_topk`'s entries on buckets of at least ``tuning.exact_min_size``
+  entries (on CPU, 4M; with ``tuning.native``, by the custom call of
+  :mod:`jaxcomp._src.native` where it is available, bit for bit the same),
+  ``lax.top_k`` otherwise and on GPU and TPU (the defaults of
+  :func:`tuning_for`). The set is the same either way; the order of the slots
+  is not (largest first, or increasing index).
 
   Args:
     x: ``f32[n]``.
@@ -653,6 +662,8 @@ def topk(
   if isinstance(k, int) and k == capacity:
     k = None  # every slot: no mask in the program
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
+    if tuning.native and native.available():
+      return native.topk(x, capacity, k)
     return exact_topk(x, capacity, tuning=tuning, k=k)
   return select_topk(x, capacity, k)
 
