@@ -60,6 +60,7 @@ from experiments import shapes
 import jaxcomp
 from jaxcomp import protocol
 from jaxcomp import registry
+from jaxcomp import selection
 from jaxcomp import training
 from jaxcomp import wire
 
@@ -558,8 +559,18 @@ SINGLE_COLUMNS = ("compressor", "ms/step", "x dense", "compile s", "kernels", "p
 def _device_note() -> str:
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return f"one CPU device on {os.cpu_count()} cores ({processor()}), {_malloc_note()}"
+    return (f"one CPU device on {os.cpu_count()} cores ({processor()}), {_malloc_note()},"
+            f" {_native_note()}")
   return f"one {device.device_kind} ({device.platform})"
+
+
+def _native_note() -> str:
+  """Whether topk's and gTop-k's exact selections ran as the native custom call (one kernel
+  each) or in JAX (about 43): their rows' kernels and compile time differ by it."""
+  reason = selection.native_unavailable_reason()
+  if reason is None:
+    return "the exact top-k as jaxcomp's native custom call"
+  return f"the exact top-k in JAX (no native custom call: {reason})"
 
 
 def processor(cpuinfo: Optional[str] = None) -> str:

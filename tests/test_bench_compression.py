@@ -190,6 +190,15 @@ def test_the_device_note_says_how_malloc_backs_memory(monkeypatch, tunables, not
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
   else:
     monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+  assert f"), {note}, the exact top-k " in bench_compression._device_note()
+
+
+@pytest.mark.parametrize("reason, note", [
+    (None, "the exact top-k as jaxcomp's native custom call"),
+    ("JAXCOMP_NATIVE=0", "the exact top-k in JAX (no native custom call: JAXCOMP_NATIVE=0)"),
+])
+def test_the_device_note_says_how_the_exact_top_k_ran(monkeypatch, reason, note):
+  monkeypatch.setattr(bench_compression.selection, "native_unavailable_reason", lambda: reason)
   assert bench_compression._device_note().endswith(note)
 
 
