@@ -487,7 +487,7 @@ def test_shared_selection_lengths_keep_the_bits_in_every_layout(layout, monkeypa
   for exact_min_size in (100, None):
     monkeypatch.setattr(selection, "tuning_for",
                         lambda backend=None, size=exact_min_size: selection.Tuning(
-                            exact_min_size=size))
+                            exact_min_size=size, native=False))
     # At density 0.5 the padded length's capacity exceeds k (122 against 121 slots).
     inner = _build("gtopk", "dcn", bucket_cap_mb=CAP_MB / 4, density=0.5)
     spec = protocol.spec(inner)

@@ -462,13 +462,17 @@ def test_exact_topk_fills_k_of_its_slots(traced, equal):
   assert np.all(np.asarray(indices[k:]) == EMPTY) and not np.any(np.asarray(values[k:]))
 
 
-def test_shared_length_pads_on_the_exact_route_only():
-  cpu, gpu = selection.tuning_for("cpu"), selection.tuning_for("gpu")
+def test_shared_length_pads_on_the_exact_route_in_jax_only(monkeypatch):
+  cpu, gpu = selection.tuning_for("cpu")._replace(native=False), selection.tuning_for("gpu")
   big = cpu.exact_min_size
   assert selection.shared_length(big + 1, 1000, cpu) == -(-(big + 1) // 1000) * 1000
   assert selection.shared_length(big - 1, 1000, cpu) == big - 1  # lax.top_k's route
   assert selection.shared_length(big + 1, 1000, gpu) == big + 1
-  assert selection.shared_length(3000, 1000, selection.Tuning(exact_min_size=2000)) == 3000
+  small = selection.Tuning(exact_min_size=2000, native=False)
+  assert selection.shared_length(3000, 1000, small) == 3000
+  # The native custom call compiles nothing per shape: no padding where it runs.
+  monkeypatch.setattr(selection.native, "available", lambda: True)
+  assert selection.shared_length(big + 1, 1000, cpu._replace(native=True)) == big + 1
 
 
 def test_exact_topk_of_everything_is_every_index():

@@ -409,8 +409,10 @@ def test_inside_multisteps(mesh8):
 # ------------------------------------------------------------ the selection route
 
 
-def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
-  """topk and gtopk through exact_topk agree bit for bit with the lax.top_k path.
+@pytest.mark.parametrize("native", [True, False])
+def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch, native):
+  """topk and gtopk on the exact route (the native custom call where it is built, else
+  exact_topk in JAX) agree bit for bit with the lax.top_k path.
 
   (random-k draws its indices without a selection.)
   """
@@ -421,7 +423,7 @@ def test_large_buckets_select_exactly_as_lax_top_k(mesh8, monkeypatch):
     for exact_min_size in (n, n + 1):  # exact_topk, then lax.top_k
       monkeypatch.setattr(selection, "tuning_for",
                           lambda backend=None, size=exact_min_size: selection.Tuning(
-                              exact_min_size=size))
+                              exact_min_size=size, native=native))
       tx = COMPRESSORS[name](0.01, "data")
       state = training.init_state(tx, {"g": jnp.zeros(n)}, mesh8, "data")
       step = harness.step_fn(tx, mesh8)
@@ -448,7 +450,7 @@ def test_buckets_of_about_one_size_select_in_one_shape_exactly(mesh8, monkeypatc
     for exact_min_size in (20_000, None):  # exact_topk on padded buckets, then lax.top_k
       monkeypatch.setattr(selection, "tuning_for",
                           lambda backend=None, size=exact_min_size: selection.Tuning(
-                              exact_min_size=size))
+                              exact_min_size=size, native=False))
       tx = getattr(sparsify, name)(0.01, "data", bucket_cap_mb=cap_mb)
       spec = protocol.spec(tx)
       lengths.append([spec.method.flat_length(b, 8) for b in spec.fused.plan(params_like(shapes))])

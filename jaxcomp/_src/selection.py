@@ -80,10 +80,6 @@ class Tuning(NamedTuple):
       ``top_k`` kernel beats the threshold's loops of small kernels and its
       ``lax.cond``, whose predicate XLA:GPU reads on the host: DGC with 25
       MiB buckets on an H200 (``bench_compression_gpu.md``).
-    native: on CPU, :func:`topk` takes its exact route through one custom call
-      (:mod:`jaxcomp._src.native`, compiled from C++ on first use) wherever
-      it is available: the same entries as :func:`exact_topk` in one kernel
-      where that route is about 43, and no compile time of its own.
     sampled_min_size: with ``sampled``, :func:`sampled_topk` selects by its
       threshold among at least this many entries, and by ``lax.top_k``
       among fewer (``None``: by the threshold at every size). On XLA:CPU,
@@ -92,6 +88,10 @@ class Tuning(NamedTuple):
       threshold may send fewer than k, and compiles in under 0.1 s where the
       threshold's loops, compaction and fallback take about 1 s
       (``python -m experiments.bench_selection --small-buckets``).
+    native: on CPU, :func:`topk` takes its exact route through one custom call
+      (:mod:`jaxcomp._src.native`, compiled from C++ on first use) wherever
+      it is available: the same entries as :func:`exact_topk` in one kernel
+      where that route is about 43, and no compile time of its own.
   """
 
   oversample: float = 1.25
@@ -681,10 +681,14 @@ def shared_length(n: int, granule: int, tuning: Optional[Tuning] = None) -> int:
   selection, and top-k's step compiles in 5.6 s where it took 8.1 s, in one
   process. The padding is zeros, which rank below every entry of the bucket
   (ties go to the lower index), so the selection is unchanged; it costs
-  passes over at most ``granule`` more entries.
+  passes over at most ``granule`` more entries. Where the exact route is the
+  native custom call (``tuning.native``), which compiles nothing per shape,
+  ``n``: no padding.
   """
   tuning = tuning_for() if tuning is None else tuning
   if tuning.exact_min_size is None or n < tuning.exact_min_size:
+    return n
+  if tuning.native and native.available():
     return n
   return -(-n // granule) * granule
 

@@ -100,7 +100,8 @@ def topk(
       per bucket, in (0, inf): torch DDP's buckets, filled in reverse leaf order
       and exchanged one after the other (:func:`jaxcomp.protocol.plan`); ``k`` is then
       ``max(1, ceil(density * n_b))`` of each bucket's ``n_b`` elements (a
-      bucket large enough for the exact search on CPU is selected in a
+      bucket large enough for the exact search on CPU, where that search
+      runs in JAX and not as the native custom call, is selected in a
       buffer zero-padded to a multiple of a 16th of the cap
       (:func:`jaxcomp.selection.shared_length`), so that
       buckets of about one size compile one selection).
@@ -241,7 +242,7 @@ _CAP_SHARE = 16
 
 def _shared_length(bucket_cap_mb: Optional[float]) -> Optional[Callable]:
   """topk's and gtopk's ``flat_length``: with buckets, each bucket zero-padded to a
-  multiple of a 16th of the cap where the selection takes its exact route
+  multiple of a 16th of the cap where the selection takes its exact route in JAX
   (:func:`jaxcomp._src.selection.shared_length`), so that buckets of about the
   cap's size select in one compiled shape; ``None`` (no padding) without."""
   if bucket_cap_mb is None:
