@@ -138,6 +138,17 @@ def test_a_second_process_loads_the_library_the_first_built(tmp_path):
 
 
 @needs_native
-def test_a_capacity_outside_the_buffer_is_refused_by_name():
+def test_a_capacity_or_k_outside_its_range_is_refused_by_name():
   with pytest.raises(ValueError, match="capacity"):
     native.topk(jnp.ones(10), 11)
+  with pytest.raises(ValueError, match="`k`"):
+    native.topk(jnp.ones(10), 4, 5)
+
+
+@needs_native
+def test_under_vmap_each_row_selects_its_own():
+  rows = np.asarray(jax.random.normal(jax.random.key(5), (3, 200)))
+  by_call = jax.jit(jax.vmap(lambda x: native.topk(x, 12)))(rows)
+  for row, values, indices in zip(rows, *by_call):
+    np.testing.assert_array_equal(indices, np.sort(harness.np_topk(row, 12)))
+    np.testing.assert_array_equal(values, row[indices])

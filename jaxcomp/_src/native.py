@@ -87,7 +87,10 @@ def _register() -> Optional[str]:
       _build(library, compiler)
     loaded = ctypes.CDLL(str(library))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(loaded.JaxcompTopk), platform="cpu")
-  except (OSError, subprocess.SubprocessError, AttributeError) as error:
+  # Any of these leaves the selection in JAX: a build or a load that failed, a library
+  # without the symbol, a registration jaxlib refused.
+  except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError,
+          ValueError) as error:
     return f"{type(error).__name__}: {error}"
   return None
 
@@ -138,8 +141,11 @@ def topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Array]:
   if reason is not None:
     raise RuntimeError(f"jaxcomp's native top-k is not available: {reason}")
   capacity = checks.check_number(capacity, "capacity", integer=True, low=1, high=x.shape[0])
-  k = jnp.asarray(capacity if k is None else k, jnp.int32)
+  if k is None or isinstance(k, int):
+    k = checks.check_number(capacity if k is None else k, "k", integer=True, low=1,
+                            high=capacity)
   return jax.ffi.ffi_call(
       _TARGET,
       (jax.ShapeDtypeStruct((capacity,), jnp.float32), jax.ShapeDtypeStruct((capacity,), jnp.int32)),
-  )(x.astype(jnp.float32), k)
+      vmap_method="sequential",
+  )(x.astype(jnp.float32), jnp.asarray(k, jnp.int32))

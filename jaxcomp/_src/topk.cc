@@ -15,9 +15,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -57,9 +59,24 @@ std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold) {
   }
   std::vector<int32_t> second;
   const int64_t half = n / 2;
-  std::thread worker(Keep, x, half, n, threshold, &second);
-  Keep(x, 0, half, threshold, &first);
+  // An exception must not leave the worker (it would end the process): it is
+  // thrown again here, after the join.
+  bool failed = false;
+  std::thread worker([&] {
+    try {
+      Keep(x, half, n, threshold, &second);
+    } catch (const std::bad_alloc&) {
+      failed = true;
+    }
+  });
+  try {
+    Keep(x, 0, half, threshold, &first);
+  } catch (...) {
+    worker.join();
+    throw;
+  }
   worker.join();
+  if (failed) throw std::bad_alloc();
   first.insert(first.end(), second.begin(), second.end());
   return first;
 }
@@ -113,6 +130,8 @@ ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
     }
   } catch (const std::bad_alloc&) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxcomp_topk: out of memory");
+  } catch (const std::exception& error) {  // e.g. no thread could be started
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxcomp_topk: ") + error.what());
   }
   for (; slot < capacity; ++slot) {
     out_values[slot] = 0.0f;
