@@ -1,7 +1,6 @@
 """The native top-k: one custom call that gives exact_topk's values and indices bit for bit,
 and a selection that stays in JAX wherever the call cannot be built."""
 
-import os
 import subprocess
 import sys
 

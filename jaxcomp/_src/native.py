@@ -36,8 +36,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from jaxcomp._src import checks
+from jaxcomp._src import collectives
 
 _SOURCE = pathlib.Path(__file__).with_name("topk.cc")
 _TARGET = "jaxcomp_topk"
@@ -148,4 +150,5 @@ def topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Array]:
       _TARGET,
       (jax.ShapeDtypeStruct((capacity,), jnp.float32), jax.ShapeDtypeStruct((capacity,), jnp.int32)),
       vmap_method="sequential",
-  )(x.astype(jnp.float32), jnp.asarray(k, jnp.int32))
+  )(x.astype(jnp.float32), jnp.asarray(k, jnp.int32),
+    empty_index=np.int32(collectives.EMPTY_INDEX))

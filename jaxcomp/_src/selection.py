@@ -662,7 +662,7 @@ def topk(
   if isinstance(k, int) and k == capacity:
     k = None  # every slot: no mask in the program
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
-    if tuning.native and native.available():
+    if _native_route(tuning):
       return native.topk(x, capacity, k)
     return exact_topk(x, capacity, tuning=tuning, k=k)
   return select_topk(x, capacity, k)
@@ -688,9 +688,14 @@ def shared_length(n: int, granule: int, tuning: Optional[Tuning] = None) -> int:
   tuning = tuning_for() if tuning is None else tuning
   if tuning.exact_min_size is None or n < tuning.exact_min_size:
     return n
-  if tuning.native and native.available():
+  if _native_route(tuning):
     return n
   return -(-n // granule) * granule
+
+
+def _native_route(tuning: Tuning) -> bool:
+  """:func:`topk`'s exact route is the native custom call (asked for, and built here)."""
+  return tuning.native and native.available()
 
 
 def chunks(n: int, chunk_size: int, density: float) -> tuple[int, int, int]:

@@ -2,8 +2,9 @@
 //
 // The entries lax.top_k(|x|, k) selects (NaN ranked as inf, ties to the lower
 // index), in increasing index order, in the first min(k, n) of `capacity` slots;
-// the slots after them hold 0 and INT32_MAX (jaxcomp's EMPTY_INDEX). Loaded and
-// registered by jaxcomp/_src/native.py, which compiles this file on first use.
+// the slots after them hold 0 and `empty_index` (jaxcomp's EMPTY_INDEX, an
+// attribute of the call). Loaded and registered by jaxcomp/_src/native.py, which
+// compiles this file on first use.
 //
 // A threshold from a strided sample of about 65,536 entries, then one pass that
 // keeps the indices of the entries at or above it (two threads, one per half),
@@ -17,7 +18,6 @@
 #include <cstring>
 #include <exception>
 #include <functional>
-#include <limits>
 #include <new>
 #include <string>
 #include <thread>
@@ -30,12 +30,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int32_t kInfBits = 0x7F800000;
-constexpr int32_t kEmptyIndex = std::numeric_limits<int32_t>::max();
 constexpr int64_t kSample = 65536;
 // Below this many entries one thread makes the pass.
 constexpr int64_t kSplitAbove = 1 << 20;
 
-// |x| as its int32 bits, NaN brought down to inf: ordered like the magnitudes.
+// |x| as its int32 bits, NaN brought down to inf: ordered like the magnitudes
+// (jaxcomp/_src/selection.py's _magnitude_key).
 inline int32_t MagnitudeKey(float value) {
   int32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
@@ -96,7 +96,8 @@ int32_t SampledThreshold(const float* x, int64_t n, int64_t k) {
 }
 
 ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
-                    ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices) {
+                    int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
+                    ffi::ResultBuffer<ffi::S32> indices) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t capacity = static_cast<int64_t>(values->element_count());
   if (static_cast<int64_t>(indices->element_count()) != capacity) {
@@ -135,7 +136,7 @@ ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
   }
   for (; slot < capacity; ++slot) {
     out_values[slot] = 0.0f;
-    out_indices[slot] = kEmptyIndex;
+    out_indices[slot] = empty_index;
   }
   return ffi::Error::Success();
 }
@@ -146,5 +147,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopk, TopkImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int32_t>("empty_index")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
