@@ -1,9 +1,12 @@
 """Local top-k selection: which entries of a flat bucket a device sends."""
 
 from jaxcomp._src.native import available as native_available
+from jaxcomp._src.native import sent_mask as native_sent_mask
+from jaxcomp._src.native import sampled_topk as native_sampled_topk
 from jaxcomp._src.native import topk as native_topk
 from jaxcomp._src.native import unavailable_reason as native_unavailable_reason
 from jaxcomp._src.selection import Tuning as Tuning
+from jaxcomp._src.selection import native_route as native_route
 from jaxcomp._src.selection import tuning_for as tuning_for
 from jaxcomp._src.selection import topk as topk
 from jaxcomp._src.selection import select_topk as select_topk
@@ -23,6 +26,9 @@ __all__ = (
     "exact_sample_ratio",
     "exact_topk",
     "native_available",
+    "native_route",
+    "native_sampled_topk",
+    "native_sent_mask",
     "native_topk",
     "native_unavailable_reason",
     "sample_size",

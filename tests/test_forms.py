@@ -19,6 +19,7 @@ from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
+from jaxcomp._src import native
 from jaxcomp._src import selection
 
 import harness
@@ -100,17 +101,25 @@ def test_one_program_per_form_gives_the_bits_of_the_switch(case, layout):
   _forms_give_the_bits_of_the_switch(case, layout)
 
 
-def test_forms_of_the_sampled_threshold_give_the_bits_of_the_switch(monkeypatch):
+@pytest.mark.parametrize("native_route", [
+    pytest.param(True, marks=pytest.mark.skipif(not native.available(),
+                                                reason="no native custom calls here")),
+    False])
+def test_forms_of_the_sampled_threshold_give_the_bits_of_the_switch(monkeypatch, native_route):
   """DGC's 768 sparse entries select by lax.top_k on CPU; here by the sampled
-  threshold, whose loops and fallback then sit in each form and in the switch's
+  threshold (in JAX, or past its sample in the native custom call), whose loops
+  and fallback, or whose call, then sit in each form and in the switch's
   branches alike."""
-  every_size = selection.Tuning(sampled_min_size=None)
+  every_size = selection.Tuning(sampled_min_size=None, native=native_route)
   monkeypatch.setattr(selection, "tuning_for", lambda backend=None: every_size)
   step, params, state, mesh, axis = _forms_give_the_bits_of_the_switch(
       "dgc_warmup", "replicated")
   batch = training.shard(_batch(0), mesh, axis)
-  control = harness.control_flow(step.lower(params, state, batch, form=0).compile().as_text())
-  assert control["while"]  # the threshold's loops: lax.top_k has none
+  text = step.lower(params, state, batch, form=0).compile().as_text()
+  if native_route:
+    assert "jaxcomp_sampled_topk" in text
+  else:
+    assert harness.control_flow(text)["while"]  # the threshold's loops: lax.top_k has none
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,8 +1,9 @@
-"""The native top-k: one custom call that gives exact_topk's values and indices bit for bit,
-and a selection that stays in JAX wherever the call cannot be built."""
+"""The native top-k: custom calls that give exact_topk's and sampled_topk's values and
+indices bit for bit, and a selection that stays in JAX wherever the calls cannot be built."""
 
 import subprocess
 import sys
+from unittest import mock
 
 import chex
 import hypothesis
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 import jaxcomp
+from jaxcomp.collectives import EMPTY_INDEX
+from jaxcomp._src import error_feedback
 from jaxcomp._src import native
 from jaxcomp._src import selection
 from tests import harness
@@ -51,6 +54,126 @@ def test_the_custom_call_gives_exact_topk_s_bits(case):
   np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
 
 
+@st.composite
+def _sampled_cases(draw):
+  x, capacity, k = draw(_cases())
+  size = x.shape[0]
+  tail = np.asarray(draw(st.lists(_ENTRY, max_size=40)), np.float32)
+  tuning = selection.Tuning(sampled_min_size=None,
+                            min_fraction=draw(st.sampled_from([0.0, 0.5, 0.8, 1.0])),
+                            candidate_factor=draw(st.sampled_from([1, 2, 4])))
+  ratio = draw(st.sampled_from([0.01, 0.1, 0.5, 0.99]))
+  return np.concatenate([x, tail]), size, capacity, k, tuning, ratio, draw(st.integers(0, 7))
+
+
+@needs_native
+@hypothesis.given(_sampled_cases())
+def test_the_sampled_call_gives_sampled_topk_s_bits(case):
+  # Every path of DGC's selection past its sample: the count above the threshold
+  # short of min_fraction * k, past the candidates (both fall back to the exact
+  # top k), or within them (the min(k, count) largest); a head shorter than x.
+  x, size, capacity, k, tuning, ratio, seed = case
+
+  def select(t):
+    return jax.jit(lambda x, k: selection.sampled_topk(
+        x, capacity, k, jax.random.key(seed), ratio, t, size=size))(x, k)
+
+  by_jax, by_call = select(tuning._replace(native=False)), select(tuning)
+  np.testing.assert_array_equal(_bits(by_call)[0], _bits(by_jax)[0])
+  np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
+
+
+def _magnitude_keys(x):
+  """|x|'s int32 bits, NaN as inf's: the order both calls rank by."""
+  return np.minimum(np.abs(x).view(np.int32), np.float32(np.inf).view(np.int32))
+
+
+def _largest(keys, among, k):
+  """The ``k`` largest keys of the positions ``among`` (ties to the lower index), sorted."""
+  order = np.lexsort((among, -keys[among].astype(np.int64)))
+  return np.sort(among[order[:k]])
+
+
+def _check_sampled_call(x, size, capacity, k, positions, rank, candidates, min_fraction):
+  """``native.sampled_topk`` against its contract, in numpy; the count sent."""
+  values, indices = jax.jit(lambda x: native.sampled_topk(
+      x, capacity, k, jnp.asarray(positions, jnp.int32), rank, size=size,
+      candidates=candidates, min_fraction=min_fraction))(x)
+  keys = _magnitude_keys(x[:size])
+  threshold = np.sort(keys[positions])[::-1][rank - 1]
+  kept = np.flatnonzero(keys >= threshold)
+  enough = np.float32(kept.size) >= np.float32(min_fraction) * np.float32(k)
+  if enough and kept.size <= candidates:
+    chosen = _largest(keys, kept, min(k, kept.size))
+  else:
+    chosen = _largest(keys, np.arange(size), k)
+  want = np.full(capacity, EMPTY_INDEX, np.int32)
+  want[:chosen.size] = chosen
+  np.testing.assert_array_equal(indices, want)
+  want_values = np.zeros(capacity, np.float32)
+  want_values[:chosen.size] = x[chosen]
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint32), want_values.view(np.uint32))
+  return chosen.size
+
+
+@needs_native
+@hypothesis.given(_sampled_cases(), st.data())
+def test_the_sampled_call_meets_its_contract(case, data):
+  # The sample and the rank given, the candidates about the count above the threshold.
+  x, size, capacity, k, tuning, _, _ = case
+  positions = data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=20))
+  rank = data.draw(st.integers(1, len(positions)))
+  keys = _magnitude_keys(x[:size])
+  total = int(np.sum(keys >= np.sort(keys[positions])[::-1][rank - 1]))
+  candidates = data.draw(st.sampled_from([0, max(total - 1, 0), total, total + 1, size]))
+  _check_sampled_call(x, size, capacity, k, positions, rank, candidates, tuning.min_fraction)
+
+
+@needs_native
+@pytest.mark.parametrize("min_fraction, candidates, sent", [
+    (0.75, 3, 3),  # 3 above the threshold: exactly min_fraction * k, exactly the candidates
+    (0.76, 3, 4),  # short of min_fraction * k: the exact top k
+    (0.75, 2, 4),  # past the candidates: the exact top k
+    (0.5, 9, 3),
+])
+def test_the_sampled_call_at_the_edges_of_its_bounds(min_fraction, candidates, sent):
+  x = np.array([0.5, 5.0, -4.0, 2.0, 3.0, 1.0, 0.0], np.float32)
+  # The sample: 2.0, 5.0, 3.0, 0.5; the threshold its second largest, 3.0.
+  assert _check_sampled_call(x, 6, 5, 4, [3, 1, 4, 0], 2, candidates, min_fraction) == sent
+
+
+@needs_native
+@pytest.mark.parametrize("fill", ["normal", "equal", "mostly_zero", "few_above"])
+def test_dgc_s_selection_of_a_head_is_one_sampled_call_with_the_jax_route_s_bits(fill):
+  # A 6M-entry head of a longer bucket: a count near k; every entry a tie (past the
+  # candidates: the exact fallback); a threshold of 0; a few large entries that the
+  # sample misses, so that the count falls short of min_fraction * k.
+  n, size, capacity = 6_000_000 + 999, 6_000_000, 6000
+  x = np.array(jax.random.normal(jax.random.key(4), (n,)))
+  if fill == "equal":
+    x[:] = 0.5
+  elif fill == "mostly_zero":
+    x[np.arange(n) % 991 != 0] = 0.0
+  elif fill == "few_above":
+    x[:] = 0.0
+    x[np.arange(0, size, size // 4000) + 7] = 1.0
+  key = jax.random.key(1)
+  tuning = selection.tuning_for()
+
+  def select(t):
+    return jax.jit(lambda x: selection.sampled_topk(x, capacity, capacity, key, 0.01, t,
+                                                    size=size)).lower(x).compile()
+
+  program = select(tuning)
+  assert program.as_text().count('custom_call_target="jaxcomp_sampled_topk"') == 1
+  # No loop or branch is left of the JAX route's compaction and fallback, nor its top_k.
+  assert not harness.control_flow(program.as_text())
+  assert 'custom_call_target="TopK"' not in program.as_text()
+  by_jax, by_call = select(tuning._replace(native=False))(x), program(x)
+  np.testing.assert_array_equal(_bits(by_call)[0], _bits(by_jax)[0])
+  np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
+
+
 @needs_native
 @pytest.mark.parametrize("fill", ["normal", "equal", "mostly_zero", "sample_largest"])
 def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fill):
@@ -76,20 +199,36 @@ def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fil
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["topk", "gtopk"])
-def test_a_method_s_steps_on_8_devices_keep_their_bits(name, monkeypatch):
-  # The exact route from 2,048 entries on, so that every bucket of this small tree takes it.
+@pytest.mark.parametrize("name, target", [("topk", "jaxcomp_topk"), ("gtopk", "jaxcomp_topk"),
+                                          ("dgc", "jaxcomp_sampled_topk"),
+                                          ("randomk", "jaxcomp_sent_mask")])
+def test_a_method_s_steps_on_8_devices_keep_their_bits(name, target, monkeypatch):
+  # The exact route from 2,048 entries on, DGC's threshold from 1,024, so that every
+  # bucket of this small tree takes them.
   params = {"a": jnp.zeros((60, 100)), "b": jnp.zeros(5000), "c": jnp.zeros(9)}
 
   def run(native_route):
-    tuning = selection.Tuning(exact_min_size=2048, native=native_route)
+    tuning = selection.Tuning(exact_min_size=2048, sampled_min_size=1024, native=native_route)
     monkeypatch.setitem(selection._BY_BACKEND, "cpu", tuning)
     runs = harness.run_two_steps(
         lambda axis: getattr(jaxcomp, name)(0.01, axis, bucket_cap_mb=0.03), params, 8, ("data",))
-    assert ("jaxcomp_topk" in runs["compiled"].as_text()) == native_route
+    assert (target in runs["compiled"].as_text()) == native_route
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
+
+
+@needs_native
+@hypothesis.given(n=st.integers(1, 300), sent_from=st.one_of(st.none(), st.integers(0, 320)),
+                  drawn=st.lists(st.integers(-2, 330), max_size=40, unique=True))
+def test_the_sent_mask_call_gives_the_jax_route_s_bits(n, sent_from, drawn):
+  # Any positions: inside and outside [0, n), below and past sent_from, EMPTY_INDEX.
+  indices = np.asarray(drawn + [EMPTY_INDEX], np.int32)
+  by_call = jax.jit(lambda i: native.sent_mask(n, i, sent_from))(indices)
+  with_jax = selection.Tuning(native=False)
+  with mock.patch.dict(selection._BY_BACKEND, {"cpu": with_jax}):
+    by_jax = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))(indices)
+  np.testing.assert_array_equal(np.asarray(by_call), np.asarray(by_jax))
 
 
 def _fresh(code: str, **env) -> str:
@@ -142,6 +281,15 @@ def test_a_capacity_or_k_outside_its_range_is_refused_by_name():
     native.topk(jnp.ones(10), 11)
   with pytest.raises(ValueError, match="`k`"):
     native.topk(jnp.ones(10), 4, 5)
+  with pytest.raises(ValueError, match="`size`"):
+    native.sampled_topk(jnp.ones(10), 4, 4, jnp.zeros(3, jnp.int32), 1, size=11, candidates=8,
+                        min_fraction=0.8)
+  with pytest.raises(ValueError, match="capacity"):
+    native.sampled_topk(jnp.ones(10), 7, 4, jnp.zeros(3, jnp.int32), 1, size=6, candidates=8,
+                        min_fraction=0.8)
+  with pytest.raises(ValueError, match="`rank`"):
+    native.sampled_topk(jnp.ones(10), 4, 4, jnp.zeros(3, jnp.int32), 4, size=6, candidates=8,
+                        min_fraction=0.8)
 
 
 @needs_native

@@ -6,6 +6,7 @@ feedback, the gTop-k butterfly, the torus all-reduce, PowerSGD.
 """
 
 import functools
+from unittest import mock
 
 import hypothesis
 from hypothesis import strategies as st
@@ -14,12 +15,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 import numpy as np
+import pytest
 
 from jaxcomp import collectives
 from jaxcomp._src import error_feedback
 from jaxcomp._src import fusion
 from jaxcomp._src import lowrank
+from jaxcomp._src import native
 from jaxcomp import selection
+from jaxcomp._src import selection as selection_impl
 from jaxcomp._src import sparsify
 from jaxcomp import training
 import harness
@@ -95,14 +99,19 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   assert int(jnp.sum(sent != 0)) <= k
 
 
+@pytest.mark.parametrize("native_route", [
+    pytest.param(True, marks=pytest.mark.skipif(not native.available(),
+                                                reason="no native custom calls here")),
+    False])
 @hypothesis.given(n=st.integers(1, 200), seed=st.integers(0, 2**16),
                   sent_from=st.one_of(st.none(), st.integers(0, 210)),
                   empty=st.integers(0, 3))
-def test_the_packed_sent_mask_zeroes_exactly_the_sent_positions(n, seed, sent_from, empty):
+def test_the_packed_sent_mask_zeroes_exactly_the_sent_positions(native_route, n, seed,
+                                                                sent_from, empty):
   """``zero_sent(sent_mask(n, indices, sent_from), x)``: 0 at each distinct index (below
   ``sent_from``) and at every position from ``sent_from`` on, ``x`` elsewhere (-0 and NaN
   kept bit for bit); ``EMPTY_INDEX`` slots and positions past ``n`` mark nothing; word
-  edges included."""
+  edges included. By the native custom call and in JAX."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=n).astype(np.float32)
   x[rng.integers(0, n, 3)] = [-0.0, np.nan, np.inf]
@@ -111,7 +120,11 @@ def test_the_packed_sent_mask_zeroes_exactly_the_sent_positions(n, seed, sent_fr
   indices = indices[(indices < below) | (indices >= n)]  # the ones >= n mark nothing
   indices = np.concatenate([indices, np.full(empty, collectives.EMPTY_INDEX, np.int32)])
   rng.shuffle(indices)
-  sent = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))(jnp.asarray(indices))
+  with mock.patch.dict(selection_impl._BY_BACKEND,
+                       {"cpu": selection_impl.Tuning(native=native_route)}):
+    mask = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))
+    assert ("jaxcomp_sent_mask" in mask.lower(indices).as_text()) == native_route
+    sent = mask(jnp.asarray(indices))
   assert sent.shape == (-(-n // 32),) and sent.dtype == jnp.uint32
   got = jax.jit(error_feedback.zero_sent)(sent, jnp.asarray(x))
   want = x.copy()

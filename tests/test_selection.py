@@ -205,9 +205,11 @@ def test_sampled_topk_unsampled_is_lax_top_k_without_a_loop_or_a_branch():
   assert int(np.sum(np.asarray(got[1]) != EMPTY)) == k
   control = harness.control_flow(select.lower(x, jax.random.key(0)).compile().as_text())
   assert not control, control
-  sampled = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.05))
+  # The foil: the sampled route in JAX has both.
+  in_jax = selection.Tuning(native=False)
+  sampled = jax.jit(lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.05, in_jax))
   control = harness.control_flow(sampled.lower(x, jax.random.key(0)).compile().as_text())
-  assert control["while"] and control["conditional"]  # the foil: the sampled route has both
+  assert control["while"] and control["conditional"]
 
 
 @pytest.mark.parametrize("n", [676, 4095])
@@ -221,7 +223,7 @@ def test_sampled_topk_below_its_min_size_is_lax_top_k(n):
   for a, b in zip(got, jax.jit(lambda x: selection.select_topk(x, capacity, k))(x)):
     harness.assert_bitwise_equal(a, b)
   assert not harness.control_flow(small.lower(x, jax.random.key(0)).compile().as_text())
-  every_size = selection.Tuning(sampled_min_size=None)
+  every_size = selection.Tuning(sampled_min_size=None, native=False)
   sampled = jax.jit(
       lambda x, key: selection.sampled_topk(x, capacity, k, key, 0.25, every_size))
   control = harness.control_flow(sampled.lower(x, jax.random.key(0)).compile().as_text())

@@ -100,6 +100,11 @@ def integers(key: jax.Array, n: int, high: int) -> jax.Array:
   The modulo favours the low values by at most ``high / 2**32`` (relative):
   nothing for a sample's positions.
   """
+  return integers_at(key, lax.iota(jnp.uint32, n), high)
+
+
+def integers_at(key: jax.Array, counters: jax.Array, high: int) -> jax.Array:
+  """``int32`` of ``counters``' shape: entry ``i`` of :func:`integers` for each counter ``i``."""
   if not 1 <= high <= 2**31:
     raise ValueError(f"`high` must be in [1, 2**31], got {high}")
-  return (bits(key, n) % jnp.uint32(high)).astype(jnp.int32)
+  return (bits_at(key, counters) % jnp.uint32(high)).astype(jnp.int32)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp._src import fusion
+from jaxcomp._src import native
+from jaxcomp._src import selection
 
 
 def init(bucket: fusion.Bucket) -> jax.Array:
@@ -50,8 +52,14 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
   on every step (its first writes fault its pages in) and read again by each
   :func:`zero_sent`; this one is a thirty-second of it (ResNet-50 top-k
   steps 5-12 ms shorter). Distinct positions set distinct bits, so a sum of
-  them is their union.
+  them is their union. Where the native custom calls run
+  (:func:`jaxcomp._src.selection.native_route`, on CPU), one custom call
+  writes it (:func:`jaxcomp._src.native.sent_mask`, the same bits): one
+  kernel, where XLA:CPU makes four of the scatter (the words of the dense
+  positions, each index's word and bit, the scatter itself).
   """
+  if selection.native_route():
+    return native.sent_mask(n, indices, sent_from)
   words = -(-n // _WORD)
   if sent_from is None or sent_from >= n:
     mask = jnp.zeros(words, jnp.uint32)

@@ -1,4 +1,4 @@
-"""The exact top-k as one XLA:CPU custom call, compiled from ``topk.cc`` on first use.
+"""Top-k selections as XLA:CPU custom calls, compiled from ``topk.cc`` on first use.
 
 On CPU the selection in JAX (:func:`jaxcomp._src.selection.exact_topk`) is
 about 43 kernels: a sample's threshold, a compaction, prefix sums and a
@@ -9,7 +9,10 @@ then the k-th largest among the entries kept) is one kernel that compiles
 with the step in no time and gives the same values and indices bit for bit,
 in about the time of the JAX route (2 cores of an AMD EPYC, one process: 19
 against 23 ms for ResNet-50's 25.6M entries at density 0.001, 6.0 against 5.2
-for a 25 MiB bucket of 6.5M). Compiled with the compiler's default target, not
+for a 25 MiB bucket of 6.5M). Deep Gradient Compression's selection from its
+sampled threshold (:func:`sampled_topk`) is one more such call, and error
+feedback's packed mask of what was sent (:func:`sent_mask`) one more: one
+kernel where XLA:CPU makes four of the scatter that writes it. Compiled with the compiler's default target, not
 for this CPU alone, so that machines that share the cache can all load it.
 
 It needs a C++17 compiler (``$CXX``, else ``c++``) and the XLA FFI headers
@@ -42,7 +45,9 @@ from jaxcomp._src import checks
 from jaxcomp._src import collectives
 
 _SOURCE = pathlib.Path(__file__).with_name("topk.cc")
-_TARGET = "jaxcomp_topk"
+# Each custom call's name, and its handler's symbol in the library.
+_TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampledTopk",
+            "jaxcomp_sent_mask": "JaxcompSentMask"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
@@ -88,7 +93,9 @@ def _register() -> Optional[str]:
         return "no C++ compiler ($CXX, or c++ on the PATH)"
       _build(library, compiler)
     loaded = ctypes.CDLL(str(library))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(loaded.JaxcompTopk), platform="cpu")
+    for target, symbol in _TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)),
+                                  platform="cpu")
   # Any of these leaves the selection in JAX: a build or a load that failed, a library
   # without the symbol, a registration jaxlib refused.
   except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError,
@@ -121,6 +128,31 @@ def unavailable_reason() -> Optional[str]:
   return _load()
 
 
+def _check_available() -> None:
+  reason = _load()
+  if reason is not None:
+    raise RuntimeError(f"jaxcomp's native top-k is not available: {reason}")
+
+
+def _check(capacity: int, k, n: int):
+  """``(capacity, k)`` checked against ``n`` entries (a traced ``k`` as it is);
+  raises :class:`RuntimeError` where the custom calls are not :func:`available`."""
+  _check_available()
+  capacity = checks.check_number(capacity, "capacity", integer=True, low=1, high=n)
+  if k is None or isinstance(k, int):
+    k = checks.check_number(capacity if k is None else k, "k", integer=True, low=1,
+                            high=capacity)
+  return capacity, k
+
+
+def _call(target: str, capacity: int, *operands, **attributes):
+  return jax.ffi.ffi_call(
+      target,
+      (jax.ShapeDtypeStruct((capacity,), jnp.float32), jax.ShapeDtypeStruct((capacity,), jnp.int32)),
+      vmap_method="sequential",
+  )(*operands, empty_index=np.int32(collectives.EMPTY_INDEX), **attributes)
+
+
 def topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Array]:
   """The entries ``lax.top_k(|x|, k)`` selects, by the custom call (CPU only).
 
@@ -139,16 +171,76 @@ def topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Array]:
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
-  reason = _load()
-  if reason is not None:
-    raise RuntimeError(f"jaxcomp's native top-k is not available: {reason}")
-  capacity = checks.check_number(capacity, "capacity", integer=True, low=1, high=x.shape[0])
-  if k is None or isinstance(k, int):
-    k = checks.check_number(capacity if k is None else k, "k", integer=True, low=1,
-                            high=capacity)
+  capacity, k = _check(capacity, k, x.shape[0])
+  return _call("jaxcomp_topk", capacity, x.astype(jnp.float32), jnp.asarray(k, jnp.int32))
+
+
+def sampled_topk(
+    x: jax.Array, capacity: int, k, positions: jax.Array, rank, *, size: int,
+    candidates: int, min_fraction: float,
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`jaxcomp._src.selection.sampled_topk` from its sample, by the custom call.
+
+  The threshold is the ``rank``-th largest magnitude key among ``x[positions]``
+  (NaN as inf); then the entries of ``x[:size]`` whose key is at least it; if
+  their count is within ``[min_fraction * k, candidates]`` (compared in f32),
+  the ``min(k, count)`` largest of them, else the exact top ``k`` of
+  ``x[:size]`` (:func:`topk`). ``x`` is read where it lies, the tail past
+  ``size`` never.
+
+  Args:
+    x: ``f32[n]``.
+    capacity: static count of slots, ``1 <= capacity <= size``.
+    k: how many to select, ``1 <= k <= capacity`` (static or traced).
+    positions: ``int32[s]``, ``s >= 1``, the sample, each in ``[0, size)``.
+    rank: ``1 <= rank <= s`` (static or traced).
+    size: static head length, ``1 <= size <= n``.
+    candidates: static bound on the count above the threshold.
+    min_fraction: the least share of ``k`` the count must reach.
+
+  Returns:
+    ``(values [capacity], int32 indices [capacity])``, those of the JAX route
+    of :func:`jaxcomp._src.selection.sampled_topk` bit for bit: increasing
+    index order, ties to the lower index, slots past the selected hold 0 and
+    ``EMPTY_INDEX``.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  size = checks.check_number(size, "size", integer=True, low=1, high=x.shape[0])
+  capacity, k = _check(capacity, k, size)
+  if positions.ndim != 1 or positions.shape[0] < 1:
+    raise ValueError(f"`positions` must be a non-empty vector, got shape {positions.shape}")
+  if isinstance(rank, int):
+    checks.check_number(rank, "rank", integer=True, low=1, high=positions.shape[0])
+  candidates = checks.check_number(candidates, "candidates", integer=True, low=0)
+  return _call("jaxcomp_sampled_topk", capacity, x.astype(jnp.float32),
+               jnp.asarray(k, jnp.int32), jnp.asarray(positions, jnp.int32),
+               jnp.asarray(rank, jnp.int32), size=np.int64(size),
+               candidates=np.int64(candidates), min_fraction=np.float32(min_fraction))
+
+
+def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> jax.Array:
+  """:func:`jaxcomp._src.error_feedback.sent_mask` by the custom call (CPU only), bit for bit.
+
+  Args:
+    n: static count of positions, ``>= 1``.
+    indices: ``int32`` positions of any shape, distinct; those outside ``[0,
+      n)`` (``EMPTY_INDEX``) are dropped.
+    sent_from: every position from this one on is set too (``None``: none).
+
+  Returns:
+    ``uint32[ceil(n / 32)]``: bit ``i % 32`` of word ``i // 32`` set for each
+    position ``i`` sent.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  n = checks.check_number(n, "n", integer=True, low=1)
+  sent_from = n if sent_from is None else checks.check_number(
+      sent_from, "sent_from", integer=True, low=0)
   return jax.ffi.ffi_call(
-      _TARGET,
-      (jax.ShapeDtypeStruct((capacity,), jnp.float32), jax.ShapeDtypeStruct((capacity,), jnp.int32)),
+      "jaxcomp_sent_mask", jax.ShapeDtypeStruct((-(-n // 32),), jnp.uint32),
       vmap_method="sequential",
-  )(x.astype(jnp.float32), jnp.asarray(k, jnp.int32),
-    empty_index=np.int32(collectives.EMPTY_INDEX))
+  )(jnp.asarray(indices, jnp.int32).reshape(-1), n=np.int64(n), sent_from=np.int64(sent_from))

@@ -8,8 +8,9 @@ Three ways to the same question, with their tunables as arguments
   sample, one compacting pass, and an exact radix search under a ``lax.cond``
   when the sample misses.
 * :func:`sampled_topk`: Deep Gradient Compression's sampled threshold (about
-  the top k; the exact fallback only when the count above it is far off).
-  Its callers pass :func:`tuning_for`'s tunables: on GPU and TPU they select
+  the top k; the exact fallback only when the count above it is far off),
+  past the draw of its sample in one custom call where :mod:`jaxcomp._src.native` could
+  build it, else in JAX. Its callers pass :func:`tuning_for`'s tunables: on GPU and TPU they select
   with ``lax.top_k`` instead (``Tuning.sampled``).
 
 :func:`topk` is what the sparsifiers call: the exact set of ``lax.top_k``, by
@@ -88,10 +89,11 @@ class Tuning(NamedTuple):
       threshold may send fewer than k, and compiles in under 0.1 s where the
       threshold's loops, compaction and fallback take about 1 s
       (``python -m experiments.bench_selection --small-buckets``).
-    native: on CPU, :func:`topk` takes its exact route through one custom call
+    native: on CPU, :func:`topk` takes its exact route, and :func:`sampled_topk`
+      its steps past the draw of its sample, through one custom call each
       (:mod:`jaxcomp._src.native`, compiled from C++ on first use) wherever
-      it is available: the same entries as :func:`exact_topk` in one kernel
-      where that route is about 43, and no compile time of its own.
+      it is available: the same bits in one kernel where the JAX route is
+      about 40, and no compile time of its own.
   """
 
   oversample: float = 1.25
@@ -400,31 +402,52 @@ def threshold_candidates(
     ``(int32 indices [candidates], increasing, EMPTY_INDEX past the count;
     the count of entries at or above the threshold)``.
   """
-  n = x.shape[0]
+  return _compact(x, sampled_threshold(x, k, key, sample_ratio, candidates, tuning), candidates)
+
+
+def sampled_threshold(
+    x: jax.Array, k, key: jax.Array, sample_ratio: float, candidates: int,
+    tuning: Optional[Tuning] = None,
+) -> jax.Array:
+  """Step 1 of :func:`sampled_topk`: the threshold, an ``int32[]`` magnitude key."""
+  positions, rank, most = _sample(x.shape[0], k, key, sample_ratio, candidates, tuning)
+  # The sample's largest keys, as many as the largest rank (a traced k is at
+  # most the candidates): one top_k kernel, where a radix search is a loop of 16
+  # passes and its copies, 8 kernels more a selection. On 6.5M entries (XLA:CPU)
+  # it is as fast at density 0.001; the loop takes 0.5 ms at any density, the
+  # top_k 1 ms at 0.01 and 4-7 ms at 0.1-0.3 (3-8% of the selection's time).
+  largest, _ = lax.top_k(_as_magnitude(_magnitude_key(x[positions])), most)
+  # Behind a barrier: read at a traced position, the top_k would become a full sort
+  # (:func:`select_topk`).
+  largest = lax.optimization_barrier(largest)
+  return lax.bitcast_convert_type(largest[rank - 1], jnp.int32)
+
+
+def _sample(n: int, k, key: jax.Array, sample_ratio: float, candidates: int,
+            tuning: Optional[Tuning] = None) -> tuple[jax.Array, jax.Array, int]:
+  """Step 1 of :func:`sampled_topk` up to the threshold: ``(int32 positions [s], the
+  threshold's rank among their keys (``int32[]``, largest first), the largest rank
+  for any k (static))``."""
   size = sample_size(n, sample_ratio)
   runs = -(-size // _RUN)
   stride = n // runs
   if stride >= _RUN:
-    starts = jnp.arange(runs) * stride + draws.integers(key, runs, stride - _RUN + 1)
-    positions = (starts[:, None] + jnp.arange(_RUN)).reshape(-1)[:size]
+    # Entry j of run r = j // 32 lies at r * stride + (run r's draw) + j % 32:
+    # formed entry by entry (each run's draw hashed again for each of its
+    # entries), so that the positions are one elementwise kernel, not the
+    # draws and then their broadcast.
+    entry = lax.iota(jnp.int32, size)
+    run = entry // _RUN
+    positions = (run * stride + draws.integers_at(key, run, stride - _RUN + 1)
+                 + entry % _RUN)
   else:
     positions = draws.integers(key, size, n)
   oversample = (tuning or Tuning()).oversample
   target = jnp.ceil(oversample * jnp.asarray(k, jnp.float32) * (size / n))
   target = jnp.clip(target, 1, size).astype(jnp.int32)
-  # The sample's largest keys, as many as the largest target (a traced k is at
-  # most the candidates): one top_k kernel, where a radix search is a loop of 16
-  # passes and its copies, 8 kernels more a selection. On 6.5M entries (XLA:CPU)
-  # it is as fast at density 0.001; the loop takes 0.5 ms at any density, the
-  # top_k 1 ms at 0.01 and 4-7 ms at 0.1-0.3 (3-8% of the selection's time).
   bound = k if isinstance(k, int) else candidates
   most = min(size, max(1, math.ceil(oversample * bound * size / n)))
-  largest, _ = lax.top_k(_as_magnitude(_magnitude_key(x[positions])), most)
-  # Behind a barrier: read at a traced position, the top_k would become a full sort
-  # (:func:`select_topk`).
-  largest = lax.optimization_barrier(largest)
-  threshold = lax.bitcast_convert_type(largest[jnp.minimum(target, most) - 1], jnp.int32)
-  return _compact(x, threshold, candidates)
+  return positions, jnp.minimum(target, most), most
 
 
 def sampled_topk(
@@ -450,6 +473,12 @@ def sampled_topk(
      it (:func:`_topk_by_radix`, in increasing index order). The choice is a
      ``lax.cond`` with no collective inside, so devices may take different
      branches.
+
+  With ``tuning.native``, all but the draw of the sample's positions is one
+  custom call where it is available (:func:`jaxcomp._src.native.sampled_topk`):
+  the same values and indices bit for bit, in one kernel where the sample's
+  keys, its top_k, the compaction, the candidates' selection and the fallback
+  are about 45, none of them compiled.
 
   A capacity of ``n`` (density 1), ``tuning.sampled`` false, or fewer than
   ``tuning.sampled_min_size`` entries, selects with ``lax.top_k`` directly
@@ -487,6 +516,10 @@ def sampled_topk(
   if capacity >= size or not tuning.sampled or small:
     return select_topk(x[:size], capacity, k)
   candidates = candidate_capacity(size, capacity, tuning)
+  if native_route(tuning):
+    positions, rank, _ = _sample(size, k, key, sample_ratio, candidates, tuning)
+    return native.sampled_topk(x, capacity, k, positions, rank, size=size,
+                               candidates=candidates, min_fraction=tuning.min_fraction)
   index, total = threshold_candidates(x[:size], k, key, sample_ratio, candidates, tuning)
   k = jnp.asarray(k, jnp.int32)
   enough = total.astype(jnp.float32) >= tuning.min_fraction * k.astype(jnp.float32)
@@ -662,7 +695,7 @@ def topk(
   if isinstance(k, int) and k == capacity:
     k = None  # every slot: no mask in the program
   if tuning.exact_min_size is not None and x.shape[0] >= tuning.exact_min_size:
-    if _native_route(tuning):
+    if native_route(tuning):
       return native.topk(x, capacity, k)
     return exact_topk(x, capacity, tuning=tuning, k=k)
   return select_topk(x, capacity, k)
@@ -688,13 +721,15 @@ def shared_length(n: int, granule: int, tuning: Optional[Tuning] = None) -> int:
   tuning = tuning_for() if tuning is None else tuning
   if tuning.exact_min_size is None or n < tuning.exact_min_size:
     return n
-  if _native_route(tuning):
+  if native_route(tuning):
     return n
   return -(-n // granule) * granule
 
 
-def _native_route(tuning: Tuning) -> bool:
-  """:func:`topk`'s exact route is the native custom call (asked for, and built here)."""
+def native_route(tuning: Optional[Tuning] = None) -> bool:
+  """The custom calls of :mod:`jaxcomp._src.native` are asked for (``tuning.native``;
+  by default the tracing backend's :func:`tuning_for`) and built here."""
+  tuning = tuning_for() if tuning is None else tuning
   return tuning.native and native.available()
 
 

@@ -1,16 +1,27 @@
-// The exact top-k of a flat f32 buffer by magnitude, as one XLA:CPU custom call.
+// Top-k selections of a flat f32 buffer by magnitude, as XLA:CPU custom calls.
 //
-// The entries lax.top_k(|x|, k) selects (NaN ranked as inf, ties to the lower
-// index), in increasing index order, in the first min(k, n) of `capacity` slots;
-// the slots after them hold 0 and `empty_index` (jaxcomp's EMPTY_INDEX, an
-// attribute of the call). Loaded and registered by jaxcomp/_src/native.py, which
-// compiles this file on first use.
+// JaxcompTopk: the entries lax.top_k(|x|, k) selects (NaN ranked as inf, ties to
+// the lower index), in increasing index order, in the first min(k, n) of
+// `capacity` slots; the slots after them hold 0 and `empty_index` (jaxcomp's
+// EMPTY_INDEX, an attribute of the call). A threshold from a strided sample of
+// about 65,536 entries, then one pass that keeps the indices of the entries at or
+// above it (two threads, one per half), then the k-th largest among those and a
+// walk in index order. Whatever the sample gives, the set is exact: when fewer
+// than k entries reach the threshold, the pass runs again with every entry kept.
 //
-// A threshold from a strided sample of about 65,536 entries, then one pass that
-// keeps the indices of the entries at or above it (two threads, one per half),
-// then the k-th largest among those and a walk in index order. Whatever the
-// sample gives, the set is exact: when fewer than k entries reach the threshold,
-// the pass runs again with every entry kept.
+// JaxcompSampledTopk: Deep Gradient Compression's sampled threshold
+// (jaxcomp/_src/selection.py's sampled_topk, the same bits) from the sample's
+// positions, which the caller draws: the threshold is the rank-th largest key
+// among them; then the entries of x[:size] at or above it; if their count is
+// within [min_fraction * k, candidates], the min(k, count) largest of them, else
+// the exact top k of x[:size], as JaxcompTopk.
+//
+// JaxcompSentMask: error feedback's packed mask of what was sent
+// (jaxcomp/_src/error_feedback.py's sent_mask, the same bits): bit i % 32 of
+// word i / 32 for each index i in [0, n), and every bit from `sent_from` on.
+//
+// Loaded and registered by jaxcomp/_src/native.py, which compiles this file on
+// first use.
 
 #include <algorithm>
 #include <cmath>
@@ -43,18 +54,23 @@ inline int32_t MagnitudeKey(float value) {
   return bits > kInfBits ? kInfBits : bits;
 }
 
-// The indices in [begin, end) whose key is at least `threshold`, increasing.
-void Keep(const float* x, int64_t begin, int64_t end, int32_t threshold,
+// The indices in [begin, end) whose key is at least `threshold`, increasing;
+// the pass stops once more than `limit` are kept (then only their count past
+// `limit` matters to the caller).
+void Keep(const float* x, int64_t begin, int64_t end, int32_t threshold, int64_t limit,
           std::vector<int32_t>* kept) {
   for (int64_t i = begin; i < end; ++i) {
-    if (MagnitudeKey(x[i]) >= threshold) kept->push_back(static_cast<int32_t>(i));
+    if (MagnitudeKey(x[i]) >= threshold) {
+      kept->push_back(static_cast<int32_t>(i));
+      if (static_cast<int64_t>(kept->size()) > limit) return;
+    }
   }
 }
 
-std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold) {
+std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
   std::vector<int32_t> first;
   if (n < kSplitAbove) {
-    Keep(x, 0, n, threshold, &first);
+    Keep(x, 0, n, threshold, limit, &first);
     return first;
   }
   std::vector<int32_t> second;
@@ -64,13 +80,13 @@ std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold) {
   bool failed = false;
   std::thread worker([&] {
     try {
-      Keep(x, half, n, threshold, &second);
+      Keep(x, half, n, threshold, limit, &second);
     } catch (const std::bad_alloc&) {
       failed = true;
     }
   });
   try {
-    Keep(x, 0, half, threshold, &first);
+    Keep(x, 0, half, threshold, limit, &first);
   } catch (...) {
     worker.join();
     throw;
@@ -95,6 +111,59 @@ int32_t SampledThreshold(const float* x, int64_t n, int64_t k) {
   return sample[rank - 1];
 }
 
+// Writes the k largest keys among `kept` (increasing indices, k <= their count),
+// ties to the lower index, in index order; returns k.
+int64_t WriteLargest(const float* data, const std::vector<int32_t>& kept, int64_t k,
+                     float* out_values, int32_t* out_indices) {
+  if (k <= 0) return 0;
+  std::vector<int32_t> keys(kept.size());
+  for (size_t j = 0; j < kept.size(); ++j) keys[j] = MagnitudeKey(data[kept[j]]);
+  std::vector<int32_t> ranked = keys;
+  std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(),
+                   std::greater<int32_t>());
+  const int32_t cut = ranked[k - 1];
+  int64_t above = 0;
+  for (int32_t key : keys) above += key > cut;
+  int64_t ties = k - above;  // the first of those equal to the cut fill the rest
+  int64_t slot = 0;
+  for (size_t j = 0; j < kept.size() && slot < k; ++j) {
+    if (keys[j] > cut || (keys[j] == cut && ties-- > 0)) {
+      out_values[slot] = data[kept[j]];
+      out_indices[slot] = kept[j];
+      ++slot;
+    }
+  }
+  return slot;
+}
+
+// The exact top k (1 <= k <= n) of data[:n], written in index order; returns k.
+int64_t WriteTopk(const float* data, int64_t n, int64_t k, float* out_values,
+                  int32_t* out_indices) {
+  std::vector<int32_t> kept = KeepAll(data, n, SampledThreshold(data, n, k), n);
+  if (static_cast<int64_t>(kept.size()) < k) kept = KeepAll(data, n, 0, n);
+  return WriteLargest(data, kept, k, out_values, out_indices);
+}
+
+// Runs `select` (which returns the slots it wrote), then empties the slots past
+// them; an exception becomes an FFI error, never the end of the process.
+template <typename Select>
+ffi::Error Fill(const char* name, int64_t capacity, float* out_values, int32_t* out_indices,
+                int32_t empty_index, Select select) {
+  int64_t slot = 0;
+  try {
+    slot = select();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(name) + ": out of memory");
+  } catch (const std::exception& error) {  // e.g. no thread could be started
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + error.what());
+  }
+  for (; slot < capacity; ++slot) {
+    out_values[slot] = 0.0f;
+    out_indices[slot] = empty_index;
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
                     int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
                     ffi::ResultBuffer<ffi::S32> indices) {
@@ -107,36 +176,68 @@ ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
   const float* data = x.typed_data();
   float* out_values = values->typed_data();
   int32_t* out_indices = indices->typed_data();
-  int64_t slot = 0;
-  try {
-    if (k > 0) {
-      std::vector<int32_t> kept = KeepAll(data, n, SampledThreshold(data, n, k));
-      if (static_cast<int64_t>(kept.size()) < k) kept = KeepAll(data, n, 0);
-      std::vector<int32_t> keys(kept.size());
-      for (size_t j = 0; j < kept.size(); ++j) keys[j] = MagnitudeKey(data[kept[j]]);
-      std::vector<int32_t> ranked = keys;
-      std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(),
-                       std::greater<int32_t>());
-      const int32_t cut = ranked[k - 1];
-      int64_t above = 0;
-      for (int32_t key : keys) above += key > cut;
-      int64_t ties = k - above;  // the first of those equal to the cut fill the rest
-      for (size_t j = 0; j < kept.size() && slot < k; ++j) {
-        if (keys[j] > cut || (keys[j] == cut && ties-- > 0)) {
-          out_values[slot] = data[kept[j]];
-          out_indices[slot] = kept[j];
-          ++slot;
-        }
-      }
-    }
-  } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxcomp_topk: out of memory");
-  } catch (const std::exception& error) {  // e.g. no thread could be started
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxcomp_topk: ") + error.what());
+  return Fill("jaxcomp_topk", capacity, out_values, out_indices, empty_index, [&] {
+    return k > 0 ? WriteTopk(data, n, k, out_values, out_indices) : int64_t{0};
+  });
+}
+
+ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
+                           ffi::Buffer<ffi::S32> positions, ffi::BufferR0<ffi::S32> rank_buffer,
+                           int64_t size, int64_t candidates, float min_fraction,
+                           int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
+                           ffi::ResultBuffer<ffi::S32> indices) {
+  const int64_t capacity = static_cast<int64_t>(values->element_count());
+  if (static_cast<int64_t>(indices->element_count()) != capacity) {
+    return ffi::Error::InvalidArgument("values and indices must have the same size");
   }
-  for (; slot < capacity; ++slot) {
-    out_values[slot] = 0.0f;
-    out_indices[slot] = empty_index;
+  if (size < 1 || size > static_cast<int64_t>(x.element_count())) {
+    return ffi::Error::InvalidArgument("size must be within [1, the length of x]");
+  }
+  const int64_t drawn = static_cast<int64_t>(positions.element_count());
+  if (drawn < 1) return ffi::Error::InvalidArgument("the sample must hold a position");
+  const int32_t* position = positions.typed_data();
+  for (int64_t j = 0; j < drawn; ++j) {
+    if (position[j] < 0 || position[j] >= size) {
+      return ffi::Error::InvalidArgument("sample positions must lie within [0, size)");
+    }
+  }
+  const int64_t k = std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, size));
+  const int64_t rank = std::clamp<int64_t>(rank_buffer.typed_data()[0], 1, drawn);
+  const float* data = x.typed_data();
+  float* out_values = values->typed_data();
+  int32_t* out_indices = indices->typed_data();
+  return Fill("jaxcomp_sampled_topk", capacity, out_values, out_indices, empty_index, [&] {
+    std::vector<int32_t> sample(drawn);
+    for (int64_t j = 0; j < drawn; ++j) sample[j] = MagnitudeKey(data[position[j]]);
+    std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                     std::greater<int32_t>());
+    const int32_t threshold = sample[rank - 1];
+    std::vector<int32_t> kept = KeepAll(data, size, threshold, candidates);
+    const int64_t total = static_cast<int64_t>(kept.size());
+    // In f32, as sampled_topk compares them.
+    const bool enough = static_cast<float>(total) >= min_fraction * static_cast<float>(k);
+    if (enough && total <= candidates) {
+      return WriteLargest(data, kept, std::min(k, total), out_values, out_indices);
+    }
+    return k > 0 ? WriteTopk(data, size, k, out_values, out_indices) : int64_t{0};
+  });
+}
+
+ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_from,
+                        ffi::ResultBuffer<ffi::U32> mask) {
+  const int64_t words = static_cast<int64_t>(mask->element_count());
+  uint32_t* out = mask->typed_data();
+  for (int64_t w = 0; w < words; ++w) {
+    // Word w's bits at positions >= sent_from: all of them, none, or the top of one word.
+    const int64_t shift = sent_from >= n ? 32 : std::clamp<int64_t>(sent_from - 32 * w, 0, 32);
+    out[w] = shift >= 32 ? 0u : 0xFFFFFFFFu << shift;
+  }
+  const int32_t* index = indices.typed_data();
+  const int64_t count = static_cast<int64_t>(indices.element_count());
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t i = index[j];
+    // Added, not or-ed, as the JAX route's scatter does (the same for distinct positions).
+    if (i >= 0 && i < n && i / 32 < words) out[i / 32] += 1u << (i % 32);
   }
   return ffi::Error::Success();
 }
@@ -150,3 +251,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopk, TopkImpl,
                                   .Attr<int32_t>("empty_index")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSampledTopk, SampledTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("size")
+                                  .Attr<int64_t>("candidates")
+                                  .Attr<float>("min_fraction")
+                                  .Attr<int32_t>("empty_index")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSentMask, SentMaskImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("sent_from")
+                                  .Ret<ffi::Buffer<ffi::U32>>());
