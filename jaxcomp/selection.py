@@ -4,6 +4,7 @@ from jaxcomp._src.native import available as native_available
 from jaxcomp._src.native import sent_mask as native_sent_mask
 from jaxcomp._src.native import sampled_topk as native_sampled_topk
 from jaxcomp._src.native import topk as native_topk
+from jaxcomp._src.native import topk_per_row as native_topk_per_row
 from jaxcomp._src.native import unavailable_reason as native_unavailable_reason
 from jaxcomp._src.selection import Tuning as Tuning
 from jaxcomp._src.selection import native_route as native_route
@@ -30,6 +31,7 @@ __all__ = (
     "native_sampled_topk",
     "native_sent_mask",
     "native_topk",
+    "native_topk_per_row",
     "native_unavailable_reason",
     "sample_size",
     "sampled_topk",

@@ -199,10 +199,12 @@ def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fil
 
 
 @needs_native
-@pytest.mark.parametrize("name, target", [("topk", "jaxcomp_topk"), ("gtopk", "jaxcomp_topk"),
-                                          ("dgc", "jaxcomp_sampled_topk"),
-                                          ("randomk", "jaxcomp_sent_mask")])
-def test_a_method_s_steps_on_8_devices_keep_their_bits(name, target, monkeypatch):
+@pytest.mark.parametrize("name, target, density", [
+    ("topk", "jaxcomp_topk", 0.01), ("gtopk", "jaxcomp_topk", 0.01),
+    ("dgc", "jaxcomp_sampled_topk", 0.01), ("randomk", "jaxcomp_sent_mask", 0.01),
+    # 9 of each chunk of 4,096: rows wide enough for the per-row call.
+    ("sparseloco", "jaxcomp_topk_per_row", 0.002)])
+def test_a_method_s_steps_on_8_devices_keep_their_bits(name, target, density, monkeypatch):
   # The exact route from 2,048 entries on, DGC's threshold from 1,024, so that every
   # bucket of this small tree takes them.
   params = {"a": jnp.zeros((60, 100)), "b": jnp.zeros(5000), "c": jnp.zeros(9)}
@@ -211,11 +213,46 @@ def test_a_method_s_steps_on_8_devices_keep_their_bits(name, target, monkeypatch
     tuning = selection.Tuning(exact_min_size=2048, sampled_min_size=1024, native=native_route)
     monkeypatch.setitem(selection._BY_BACKEND, "cpu", tuning)
     runs = harness.run_two_steps(
-        lambda axis: getattr(jaxcomp, name)(0.01, axis, bucket_cap_mb=0.03), params, 8, ("data",))
+        lambda axis: getattr(jaxcomp, name)(density, axis, bucket_cap_mb=0.03), params, 8,
+        ("data",))
     assert (target in runs["compiled"].as_text()) == native_route
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
+
+
+@st.composite
+def _rows(draw):
+  count, width = draw(st.integers(1, 4)), draw(st.sampled_from([1, 7, 64, 640, 1024]))
+  entries = draw(st.lists(_ENTRY, min_size=count * width, max_size=count * width))
+  return np.asarray(entries, np.float32).reshape(count, width), draw(st.integers(1, 9))
+
+
+@needs_native
+@hypothesis.given(_rows())
+def test_the_per_row_call_gives_the_jax_routes_bits(case):
+  # Rows of many ties, NaN and infinities; the JAX route by blocks (rows of 640 and
+  # 1024 entries, k > 1) and by argmax or lax.top_k (the others).
+  rows, k = case
+  k = min(k, rows.shape[1])
+  by_call = jax.jit(lambda r: native.topk_per_row(r, k))(rows)
+  by_jax = jax.jit(lambda r: selection.topk_per_row(r, k, selection.Tuning(native=False)))(rows)
+  np.testing.assert_array_equal(_bits(by_call)[0], _bits(by_jax)[0])
+  np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
+
+
+@needs_native
+def test_sparseloco_s_wide_rows_select_in_one_per_row_call():
+  # 2 rows of 4,096 at k = 5: the blocks' route in JAX, one call here; the same bits.
+  rows = np.array(jax.random.normal(jax.random.key(6), (2, 4096)))
+  rows[0, ::3] = 1.5  # ties
+  select = jax.jit(lambda r: selection.topk_per_row(r, 5))
+  assert select.lower(rows).compile().as_text().count('"jaxcomp_topk_per_row"') == 1
+  by_jax = jax.jit(lambda r: selection.topk_per_row(r, 5, selection.Tuning(native=False)))(rows)
+  np.testing.assert_array_equal(_bits(select(rows))[0], _bits(by_jax)[0])
+  np.testing.assert_array_equal(_bits(select(rows))[1], _bits(by_jax)[1])
+  with pytest.raises(ValueError, match="`k`"):
+    native.topk_per_row(rows, 4097)
 
 
 @needs_native

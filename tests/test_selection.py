@@ -645,9 +645,10 @@ def test_per_row_arguments_are_refused_by_name(k, tuning, message):
 ])
 def test_per_row_route_follows_the_tuning(k, width, row_block, argmax_k, top_k_widths,
                                           argmaxes):
-  """The route taken, read off the program: the widths of its ``top_k``s and its
-  argmax reductions."""
-  tuning = selection.Tuning(row_block=row_block, argmax_k=argmax_k)
+  """The route taken in JAX, read off the program: the widths of its ``top_k``s and
+  its argmax reductions (where the native custom call runs, it takes the blocks'
+  place: ``test_native``)."""
+  tuning = selection.Tuning(row_block=row_block, argmax_k=argmax_k, native=False)
   jaxpr = jax.make_jaxpr(lambda x: selection.topk_per_row(x, k, tuning))(
       jnp.zeros((6, width), jnp.float32))
   widths = [eqn.invars[0].aval.shape[-1] for eqn in jaxpr.jaxpr.eqns

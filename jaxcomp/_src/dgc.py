@@ -160,6 +160,9 @@ def dgc(
      faster than the threshold's passes (``selection.tuning_for``), and on
      CPU a sparse bucket of fewer than 4,096 entries, where ``lax.top_k`` is
      exact and quicker to compile (``selection.Tuning.sampled_min_size``).
+     On CPU all of it but the draw of the sample's positions is one native
+     custom call where it could be built (``selection.Tuning.native``), the
+     same bits as in JAX.
      Every device's ``(values / P, indices)`` is all-gathered and the mean
      is their scatter-add.
   4. *Momentum factor masking*: ``v`` keeps what was not sent (``v - sent``,

@@ -12,7 +12,9 @@ against 23 ms for ResNet-50's 25.6M entries at density 0.001, 6.0 against 5.2
 for a 25 MiB bucket of 6.5M). Deep Gradient Compression's selection from its
 sampled threshold (:func:`sampled_topk`) is one more such call, and error
 feedback's packed mask of what was sent (:func:`sent_mask`) one more: one
-kernel where XLA:CPU makes four of the scatter that writes it. Compiled with the compiler's default target, not
+kernel where XLA:CPU makes four of the scatter that writes it; and each row's
+top k (:func:`topk_per_row`, SparseLoCo's chunks) one more, where the JAX
+route by blocks is about seven kernels. Compiled with the compiler's default target, not
 for this CPU alone, so that machines that share the cache can all load it.
 
 It needs a C++17 compiler (``$CXX``, else ``c++``) and the XLA FFI headers
@@ -47,7 +49,7 @@ from jaxcomp._src import collectives
 _SOURCE = pathlib.Path(__file__).with_name("topk.cc")
 # Each custom call's name, and its handler's symbol in the library.
 _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampledTopk",
-            "jaxcomp_sent_mask": "JaxcompSentMask"}
+            "jaxcomp_topk_per_row": "JaxcompTopkPerRow", "jaxcomp_sent_mask": "JaxcompSentMask"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
@@ -218,6 +220,33 @@ def sampled_topk(
                jnp.asarray(k, jnp.int32), jnp.asarray(positions, jnp.int32),
                jnp.asarray(rank, jnp.int32), size=np.int64(size),
                candidates=np.int64(candidates), min_fraction=np.float32(min_fraction))
+
+
+def topk_per_row(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """:func:`jaxcomp._src.selection.topk_per_row` by the custom call (CPU only), bit for bit.
+
+  Args:
+    rows: ``f32[m, w]``.
+    k: static, ``1 <= k <= w``.
+
+  Returns:
+    ``(values [m, k], int32 positions [m, k])``: each row's ``k`` entries of
+    largest magnitude (NaN as ``inf``), largest first, the lower position
+    first on a tie (``lax.top_k``'s).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  if rows.ndim != 2:
+    raise ValueError(f"`rows` must be [m, w], got shape {rows.shape}")
+  k = checks.check_number(k, "k", integer=True, low=1, high=rows.shape[1])
+  shape = (rows.shape[0], k)
+  return jax.ffi.ffi_call(
+      "jaxcomp_topk_per_row",
+      (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)),
+      vmap_method="sequential",
+  )(rows.astype(jnp.float32))
 
 
 def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> jax.Array:

@@ -769,7 +769,10 @@ def topk_per_row(rows: jax.Array, k: int,
   always has one of its non-finite entries selected.
 
   The same positions by every route: with ``tuning.row_block`` (on CPU by
-  default) and rows of at least ``4 k`` such blocks, :func:`_topk_per_row_by_blocks`;
+  default) and rows of at least ``4 k`` such blocks, one native custom call
+  where ``tuning.native`` asks for it and it could be built
+  (:func:`jaxcomp._src.native.topk_per_row`: one kernel, where the next
+  route is about seven) for f32 rows, else :func:`_topk_per_row_by_blocks`;
   else, for ``k`` up to ``tuning.argmax_k`` (8 on CPU, 1 elsewhere),
   :func:`_topk_per_row_by_argmax`; else ``lax.top_k`` of the row. On XLA:CPU,
   over 25.6M entries, ``k = 1`` is about 4.5x faster than an f32 argmax and
@@ -788,8 +791,11 @@ def topk_per_row(rows: jax.Array, k: int,
     raise ValueError(f"`tuning.row_block` must be None or an int >= 1, got {block!r}")
   if not (isinstance(tuning.argmax_k, int) and tuning.argmax_k >= 1):
     raise ValueError(f"`tuning.argmax_k` must be an int >= 1, got {tuning.argmax_k!r}")
+  wide = k > 1 and block is not None and width % block == 0 and width >= 4 * k * block
+  if wide and rows.dtype == jnp.float32 and native_route(tuning):
+    return native.topk_per_row(rows, k)
   key = _magnitude_key(rows)
-  if k > 1 and block is not None and width % block == 0 and width >= 4 * k * block:
+  if wide:
     positions = _topk_per_row_by_blocks(key, k, block)
   elif k <= tuning.argmax_k:
     positions = _topk_per_row_by_argmax(key, k)

@@ -16,6 +16,10 @@
 // within [min_fraction * k, candidates], the min(k, count) largest of them, else
 // the exact top k of x[:size], as JaxcompTopk.
 //
+// JaxcompTopkPerRow: each row's k entries of largest magnitude (NaN as inf),
+// largest first, the lower position first on a tie, as lax.top_k of the row
+// (jaxcomp/_src/selection.py's topk_per_row, the same positions and values).
+//
 // JaxcompSentMask: error feedback's packed mask of what was sent
 // (jaxcomp/_src/error_feedback.py's sent_mask, the same bits): bit i % 32 of
 // word i / 32 for each index i in [0, n), and every bit from `sent_from` on.
@@ -67,6 +71,28 @@ void Keep(const float* x, int64_t begin, int64_t end, int32_t threshold, int64_t
   }
 }
 
+// Runs `first` here and `second` on a second thread. An exception of either is
+// thrown here, after the join: one that left the worker would end the process.
+template <typename First, typename Second>
+void InParallel(First first, Second second) {
+  std::exception_ptr failure;
+  std::thread worker([&] {
+    try {
+      second();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  try {
+    first();
+  } catch (...) {
+    worker.join();
+    throw;
+  }
+  worker.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
 std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
   std::vector<int32_t> first;
   if (n < kSplitAbove) {
@@ -75,24 +101,8 @@ std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64
   }
   std::vector<int32_t> second;
   const int64_t half = n / 2;
-  // An exception must not leave the worker (it would end the process): it is
-  // thrown again here, after the join.
-  bool failed = false;
-  std::thread worker([&] {
-    try {
-      Keep(x, half, n, threshold, limit, &second);
-    } catch (const std::bad_alloc&) {
-      failed = true;
-    }
-  });
-  try {
-    Keep(x, 0, half, threshold, limit, &first);
-  } catch (...) {
-    worker.join();
-    throw;
-  }
-  worker.join();
-  if (failed) throw std::bad_alloc();
+  InParallel([&] { Keep(x, 0, half, threshold, limit, &first); },
+             [&] { Keep(x, half, n, threshold, limit, &second); });
   first.insert(first.end(), second.begin(), second.end());
   return first;
 }
@@ -144,19 +154,26 @@ int64_t WriteTopk(const float* data, int64_t n, int64_t k, float* out_values,
   return WriteLargest(data, kept, k, out_values, out_indices);
 }
 
-// Runs `select` (which returns the slots it wrote), then empties the slots past
-// them; an exception becomes an FFI error, never the end of the process.
-template <typename Select>
-ffi::Error Fill(const char* name, int64_t capacity, float* out_values, int32_t* out_indices,
-                int32_t empty_index, Select select) {
-  int64_t slot = 0;
+// Runs `body`; an exception becomes an FFI error, never the end of the process.
+template <typename Body>
+ffi::Error Guarded(const char* name, Body body) {
   try {
-    slot = select();
+    body();
   } catch (const std::bad_alloc&) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(name) + ": out of memory");
   } catch (const std::exception& error) {  // e.g. no thread could be started
     return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + error.what());
   }
+  return ffi::Error::Success();
+}
+
+// Runs `select` (which returns the slots it wrote), then empties the slots past them.
+template <typename Select>
+ffi::Error Fill(const char* name, int64_t capacity, float* out_values, int32_t* out_indices,
+                int32_t empty_index, Select select) {
+  int64_t slot = 0;
+  ffi::Error error = Guarded(name, [&] { slot = select(); });
+  if (error.failure()) return error;
   for (; slot < capacity; ++slot) {
     out_values[slot] = 0.0f;
     out_indices[slot] = empty_index;
@@ -223,6 +240,55 @@ ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_bu
   });
 }
 
+// Row `r`'s k largest (k <= width), into values[r * k...] and positions[r * k...]:
+// one pass that keeps a sorted list of the k best so far; an entry enters only
+// past the k-th best, so an equal key found later stays behind the earlier one.
+void RowTopk(const float* row, int64_t width, int64_t k, float* values, int32_t* positions,
+             int32_t* keys) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < width; ++i) {
+    const int32_t key = MagnitudeKey(row[i]);
+    if (count == k && key <= keys[k - 1]) continue;
+    int64_t j = count < k ? count++ : k - 1;
+    for (; j > 0 && keys[j - 1] < key; --j) {
+      keys[j] = keys[j - 1];
+      positions[j] = positions[j - 1];
+    }
+    keys[j] = key;
+    positions[j] = static_cast<int32_t>(i);
+  }
+  for (int64_t j = 0; j < k; ++j) values[j] = row[positions[j]];
+}
+
+ffi::Error TopkPerRowImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> values,
+                          ffi::ResultBuffer<ffi::S32> positions) {
+  const auto dims = rows.dimensions();
+  const auto out_dims = values->dimensions();
+  if (dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != dims[0] ||
+      out_dims[1] < 1 || out_dims[1] > dims[1] ||
+      positions->element_count() != values->element_count()) {
+    return ffi::Error::InvalidArgument("rows must be [m, w] and the outputs [m, k], k in [1, w]");
+  }
+  const int64_t count = dims[0], width = dims[1], k = out_dims[1];
+  const float* data = rows.typed_data();
+  float* out_values = values->typed_data();
+  int32_t* out_positions = positions->typed_data();
+  auto select = [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> keys(k);
+    for (int64_t r = begin; r < end; ++r) {
+      RowTopk(data + r * width, width, k, out_values + r * k, out_positions + r * k,
+              keys.data());
+    }
+  };
+  return Guarded("jaxcomp_topk_per_row", [&] {
+    if (count * width < kSplitAbove || count < 2) {
+      select(0, count);
+    } else {
+      InParallel([&] { select(0, count / 2); }, [&] { select(count / 2, count); });
+    }
+  });
+}
+
 ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_from,
                         ffi::ResultBuffer<ffi::U32> mask) {
   const int64_t words = static_cast<int64_t>(mask->element_count());
@@ -271,3 +337,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSentMask, SentMaskImpl,
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("sent_from")
                                   .Ret<ffi::Buffer<ffi::U32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkPerRow, TopkPerRowImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
