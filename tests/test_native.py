@@ -246,11 +246,17 @@ def test_sparseloco_s_wide_rows_select_in_one_per_row_call():
   # 2 rows of 4,096 at k = 5: the blocks' route in JAX, one call here; the same bits.
   rows = np.array(jax.random.normal(jax.random.key(6), (2, 4096)))
   rows[0, ::3] = 1.5  # ties
+  # Row 1: five found in its first block, then one just past the fifth's magnitude in a
+  # later block, which must displace it.
+  rows[1] = 0.0
+  rows[1, :5] = [3.0, -1.0, 1.0, 1.0, 1.0]
+  rows[1, 3000] = np.nextafter(np.float32(-1.0), np.float32(-2.0))
   select = jax.jit(lambda r: selection.topk_per_row(r, 5))
   assert select.lower(rows).compile().as_text().count('"jaxcomp_topk_per_row"') == 1
   by_jax = jax.jit(lambda r: selection.topk_per_row(r, 5, selection.Tuning(native=False)))(rows)
   np.testing.assert_array_equal(_bits(select(rows))[0], _bits(by_jax)[0])
   np.testing.assert_array_equal(_bits(select(rows))[1], _bits(by_jax)[1])
+  np.testing.assert_array_equal(np.asarray(select(rows)[1][1]), [0, 3000, 1, 2, 3])
   with pytest.raises(ValueError, match="`k`"):
     native.topk_per_row(rows, 4097)
 
