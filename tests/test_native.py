@@ -146,18 +146,19 @@ def test_the_sampled_call_at_the_edges_of_its_bounds(min_fraction, candidates, s
 @pytest.mark.parametrize("fill", ["normal", "equal", "mostly_zero", "few_above"])
 def test_dgc_s_selection_of_a_head_is_one_sampled_call_with_the_jax_route_s_bits(fill):
   # A 6M-entry head of a longer bucket: a count near k; every entry a tie (past the
-  # candidates: the exact fallback); a threshold of 0; a few large entries that the
-  # sample misses, so that the count falls short of min_fraction * k.
+  # candidates: the exact fallback); a threshold of 0 (past them too); 100 of the
+  # sample's entries the largest, so that the threshold is theirs and the count
+  # above it falls short of min_fraction * k (the exact fallback again).
   n, size, capacity = 6_000_000 + 999, 6_000_000, 6000
   x = np.array(jax.random.normal(jax.random.key(4), (n,)))
+  key = jax.random.key(1)
   if fill == "equal":
     x[:] = 0.5
   elif fill == "mostly_zero":
     x[np.arange(n) % 991 != 0] = 0.0
   elif fill == "few_above":
-    x[:] = 0.0
-    x[np.arange(0, size, size // 4000) + 7] = 1.0
-  key = jax.random.key(1)
+    positions = selection._sample(size, capacity, key, 0.01, 2 * capacity)[0]
+    x[np.asarray(positions)[:100]] = 9.0
   tuning = selection.tuning_for()
 
   def select(t):
@@ -172,6 +173,8 @@ def test_dgc_s_selection_of_a_head_is_one_sampled_call_with_the_jax_route_s_bits
   by_jax, by_call = select(tuning._replace(native=False))(x), program(x)
   np.testing.assert_array_equal(_bits(by_call)[0], _bits(by_jax)[0])
   np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
+  # Every path gives k here: the count near k reaches it, the others fall back.
+  assert np.sum(np.asarray(by_call[1]) != EMPTY_INDEX) == capacity
 
 
 @needs_native

@@ -9,9 +9,10 @@ Three ways to the same question, with their tunables as arguments
   when the sample misses.
 * :func:`sampled_topk`: Deep Gradient Compression's sampled threshold (about
   the top k; the exact fallback only when the count above it is far off),
-  past the draw of its sample in one custom call where :mod:`jaxcomp._src.native` could
-  build it, else in JAX. Its callers pass :func:`tuning_for`'s tunables: on GPU and TPU they select
-  with ``lax.top_k`` instead (``Tuning.sampled``).
+  past the draw of its sample in one custom call where
+  :mod:`jaxcomp._src.native` could build it, else in JAX. Its callers pass
+  :func:`tuning_for`'s tunables: on GPU and TPU they select with
+  ``lax.top_k`` instead (``Tuning.sampled``).
 
 :func:`topk` is what the sparsifiers call: the exact set of ``lax.top_k``, by
 the route :func:`tuning_for` picks for the backend: on CPU, buckets of at
@@ -89,11 +90,13 @@ class Tuning(NamedTuple):
       threshold may send fewer than k, and compiles in under 0.1 s where the
       threshold's loops, compaction and fallback take about 1 s
       (``python -m experiments.bench_selection --small-buckets``).
-    native: on CPU, :func:`topk` takes its exact route, and :func:`sampled_topk`
-      its steps past the draw of its sample, through one custom call each
-      (:mod:`jaxcomp._src.native`, compiled from C++ on first use) wherever
-      it is available: the same bits in one kernel where the JAX route is
-      about 40, and no compile time of its own.
+    native: on CPU, :func:`topk` takes its exact route, :func:`sampled_topk`
+      its steps past the draw of its sample and :func:`topk_per_row` its wide
+      rows through one custom call each (:mod:`jaxcomp._src.native`,
+      compiled from C++ on first use) wherever it is available: the same
+      bits in one kernel where the JAX route is 7 to 45, and no compile time
+      of its own. Error feedback's packed mask of what was sent
+      (:func:`jaxcomp._src.error_feedback.sent_mask`) follows it too.
   """
 
   oversample: float = 1.25

@@ -282,7 +282,8 @@ void RowTopk(const float* row, int64_t width, int64_t k, float* values, int32_t*
   for (; i + kBlock <= width; i += kBlock) {
     if (count == k) {
       // A block none of whose entries passes the k-th best is skipped after one
-      // vectorized test, as in Keep (|x|'s bits pass exactly when the key does).
+      // vectorized test, as in Keep: |x|'s bits pass wherever the key does (a
+      // NaN's pass an inf k-th best too; its block is then read entry by entry).
       int32_t bits[kBlock];
       std::memcpy(bits, row + i, sizeof(bits));
       int32_t any = 0;
