@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 import numpy as np
+import pytest
 
 from experiments import hlo_counts
 import jaxcomp
@@ -24,8 +25,17 @@ from jaxcomp import protocol
 from jaxcomp import training
 from jaxcomp import wire
 from jaxcomp._src import draws
+from jaxcomp._src import native
 
 EMPTY = collectives.EMPTY_INDEX
+
+
+# Skips a test where the native custom calls could not be built here (no compiler).
+needs_native = pytest.mark.skipif(
+    not native.available(), reason=f"no native custom calls here: {native.unavailable_reason()}")
+
+# Both routes of ``selection.Tuning.native``, the native one skipped where it cannot run.
+NATIVE_ROUTES = [pytest.param(True, marks=needs_native), False]
 
 
 def fresh_process_env() -> dict:

@@ -19,7 +19,6 @@ from jaxcomp import protocol
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp import wire
-from jaxcomp._src import native
 from jaxcomp._src import selection
 
 import harness
@@ -101,10 +100,7 @@ def test_one_program_per_form_gives_the_bits_of_the_switch(case, layout):
   _forms_give_the_bits_of_the_switch(case, layout)
 
 
-@pytest.mark.parametrize("native_route", [
-    pytest.param(True, marks=pytest.mark.skipif(not native.available(),
-                                                reason="no native custom calls here")),
-    False])
+@pytest.mark.parametrize("native_route", harness.NATIVE_ROUTES)
 def test_forms_of_the_sampled_threshold_give_the_bits_of_the_switch(monkeypatch, native_route):
   """DGC's 768 sparse entries select by lax.top_k on CPU; here by the sampled
   threshold (in JAX, or past its sample in the native custom call), whose loops

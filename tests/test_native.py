@@ -20,9 +20,6 @@ from jaxcomp._src import native
 from jaxcomp._src import selection
 from tests import harness
 
-needs_native = pytest.mark.skipif(
-    not native.available(), reason=f"no native top-k here: {native.unavailable_reason()}")
-
 # Magnitudes with many ties, zeros of both signs, infinities and NaN among them.
 _ENTRY = st.one_of(
     st.floats(-4, 4, width=32),
@@ -44,7 +41,7 @@ def _bits(pair):
   return values.view(np.uint32), indices
 
 
-@needs_native
+@harness.needs_native
 @hypothesis.given(_cases())
 def test_the_custom_call_gives_exact_topk_s_bits(case):
   x, capacity, k = case
@@ -66,7 +63,7 @@ def _sampled_cases(draw):
   return np.concatenate([x, tail]), size, capacity, k, tuning, ratio, draw(st.integers(0, 7))
 
 
-@needs_native
+@harness.needs_native
 @hypothesis.given(_sampled_cases())
 def test_the_sampled_call_gives_sampled_topk_s_bits(case):
   # Every path of DGC's selection past its sample: the count above the threshold
@@ -116,7 +113,7 @@ def _check_sampled_call(x, size, capacity, k, positions, rank, candidates, min_f
   return chosen.size
 
 
-@needs_native
+@harness.needs_native
 @hypothesis.given(_sampled_cases(), st.data())
 def test_the_sampled_call_meets_its_contract(case, data):
   # The sample and the rank given, the candidates about the count above the threshold.
@@ -129,7 +126,7 @@ def test_the_sampled_call_meets_its_contract(case, data):
   _check_sampled_call(x, size, capacity, k, positions, rank, candidates, tuning.min_fraction)
 
 
-@needs_native
+@harness.needs_native
 @pytest.mark.parametrize("min_fraction, candidates, sent", [
     (0.75, 3, 3),  # 3 above the threshold: exactly min_fraction * k, exactly the candidates
     (0.76, 3, 4),  # short of min_fraction * k: the exact top k
@@ -142,7 +139,7 @@ def test_the_sampled_call_at_the_edges_of_its_bounds(min_fraction, candidates, s
   assert _check_sampled_call(x, 6, 5, 4, [3, 1, 4, 0], 2, candidates, min_fraction) == sent
 
 
-@needs_native
+@harness.needs_native
 @pytest.mark.parametrize("fill", ["normal", "equal", "mostly_zero", "few_above"])
 def test_dgc_s_selection_of_a_head_is_one_sampled_call_with_the_jax_route_s_bits(fill):
   # A 6M-entry head of a longer bucket: a count near k; every entry a tie (past the
@@ -177,7 +174,7 @@ def test_dgc_s_selection_of_a_head_is_one_sampled_call_with_the_jax_route_s_bits
   assert np.sum(np.asarray(by_call[1]) != EMPTY_INDEX) == capacity
 
 
-@needs_native
+@harness.needs_native
 @pytest.mark.parametrize("fill", ["normal", "equal", "mostly_zero", "sample_largest"])
 def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fill):
   # Above exact_min_size; each fill takes another path of the call: a sample
@@ -201,7 +198,7 @@ def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fil
   np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
 
 
-@needs_native
+@harness.needs_native
 @pytest.mark.parametrize("name, target, density", [
     ("topk", "jaxcomp_topk", 0.01), ("gtopk", "jaxcomp_topk", 0.01),
     ("dgc", "jaxcomp_sampled_topk", 0.01), ("randomk", "jaxcomp_sent_mask", 0.01),
@@ -231,7 +228,7 @@ def _rows(draw):
   return np.asarray(entries, np.float32).reshape(count, width), draw(st.integers(1, 9))
 
 
-@needs_native
+@harness.needs_native
 @hypothesis.given(_rows())
 def test_the_per_row_call_gives_the_jax_routes_bits(case):
   # Rows of many ties, NaN and infinities; the JAX route by blocks (rows of 640 and
@@ -244,7 +241,7 @@ def test_the_per_row_call_gives_the_jax_routes_bits(case):
   np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_jax)[1])
 
 
-@needs_native
+@harness.needs_native
 def test_sparseloco_s_wide_rows_select_in_one_per_row_call():
   # 2 rows of 4,096 at k = 5: the blocks' route in JAX, one call here; the same bits.
   rows = np.array(jax.random.normal(jax.random.key(6), (2, 4096)))
@@ -264,7 +261,7 @@ def test_sparseloco_s_wide_rows_select_in_one_per_row_call():
     native.topk_per_row(rows, 4097)
 
 
-@needs_native
+@harness.needs_native
 @hypothesis.given(n=st.integers(1, 300), sent_from=st.one_of(st.none(), st.integers(0, 320)),
                   drawn=st.lists(st.integers(-2, 330), max_size=40, unique=True))
 def test_the_sent_mask_call_gives_the_jax_route_s_bits(n, sent_from, drawn):
@@ -311,7 +308,7 @@ def test_jaxcomp_native_0_turns_the_custom_call_off(tmp_path):
   assert not list(tmp_path.iterdir())  # nothing built
 
 
-@needs_native
+@harness.needs_native
 def test_a_second_process_loads_the_library_the_first_built(tmp_path):
   code = "from jaxcomp._src import native; print(native.unavailable_reason())"
   assert _fresh(code, JAXCOMP_CACHE_DIR=str(tmp_path)).strip() == "None"
@@ -321,7 +318,7 @@ def test_a_second_process_loads_the_library_the_first_built(tmp_path):
   assert library.stat().st_mtime_ns == built and len(list(tmp_path.iterdir())) == 1
 
 
-@needs_native
+@harness.needs_native
 def test_a_capacity_or_k_outside_its_range_is_refused_by_name():
   with pytest.raises(ValueError, match="capacity"):
     native.topk(jnp.ones(10), 11)
@@ -338,7 +335,7 @@ def test_a_capacity_or_k_outside_its_range_is_refused_by_name():
                         min_fraction=0.8)
 
 
-@needs_native
+@harness.needs_native
 def test_under_vmap_each_row_selects_its_own():
   rows = np.asarray(jax.random.normal(jax.random.key(5), (3, 200)))
   by_call = jax.jit(jax.vmap(lambda x: native.topk(x, 12)))(rows)

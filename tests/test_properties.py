@@ -21,7 +21,6 @@ from jaxcomp import collectives
 from jaxcomp._src import error_feedback
 from jaxcomp._src import fusion
 from jaxcomp._src import lowrank
-from jaxcomp._src import native
 from jaxcomp import selection
 from jaxcomp._src import selection as selection_impl
 from jaxcomp._src import sparsify
@@ -99,10 +98,7 @@ def test_error_feedback_conserves_mass_exactly(tree, residual_seed, density):
   assert int(jnp.sum(sent != 0)) <= k
 
 
-@pytest.mark.parametrize("native_route", [
-    pytest.param(True, marks=pytest.mark.skipif(not native.available(),
-                                                reason="no native custom calls here")),
-    False])
+@pytest.mark.parametrize("native_route", harness.NATIVE_ROUTES)
 @hypothesis.given(n=st.integers(1, 200), seed=st.integers(0, 2**16),
                   sent_from=st.one_of(st.none(), st.integers(0, 210)),
                   empty=st.integers(0, 3))

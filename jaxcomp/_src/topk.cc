@@ -62,6 +62,19 @@ inline int32_t MagnitudeKey(float value) {
 // Entries read per test of a block: wide enough that few blocks hold a kept entry.
 constexpr int64_t kBlock = 64;
 
+// Whether any of the kBlock entries from `x` may have a key at least `bound` (at
+// most inf's bits + 1), in a loop the compiler vectorizes. |x|'s bits reach the
+// bound wherever the key does, and only there while the bound is at most inf's
+// bits (a NaN's bits exceed inf's, its key is inf's); they are non-negative, so a
+// signed compare orders them.
+inline bool AnyReaches(const float* x, int32_t bound) {
+  int32_t bits[kBlock];
+  std::memcpy(bits, x, sizeof(bits));
+  int32_t any = 0;
+  for (int64_t j = 0; j < kBlock; ++j) any |= (bits[j] & 0x7FFFFFFF) >= bound;
+  return any != 0;
+}
+
 // The indices in [begin, end) whose key is at least `threshold` (at most inf's
 // bits, as every key), increasing; the pass stops once more than `limit` are
 // kept (then only their count past `limit` matters to the caller).
@@ -78,14 +91,7 @@ void Keep(const float* x, int64_t begin, int64_t end, int32_t threshold, int64_t
   };
   int64_t i = begin;
   for (; i + kBlock <= end; i += kBlock) {
-    // A block is first tested whole, in a loop the compiler vectorizes: |x|'s bits
-    // reach the threshold exactly when the key does (a NaN's exceed inf's), and
-    // are non-negative, so a signed compare orders them.
-    int32_t bits[kBlock];
-    std::memcpy(bits, x + i, sizeof(bits));
-    int32_t any = 0;
-    for (int64_t j = 0; j < kBlock; ++j) any |= (bits[j] & 0x7FFFFFFF) >= threshold;
-    if (any && !keep(i, i + kBlock)) return;
+    if (AnyReaches(x + i, threshold) && !keep(i, i + kBlock)) return;
   }
   keep(i, end);
 }
@@ -165,9 +171,10 @@ int64_t WriteLargest(const float* data, const std::vector<int32_t>& kept, int64_
   return slot;
 }
 
-// The exact top k (1 <= k <= n) of data[:n], written in index order; returns k.
+// The exact top k (0 <= k <= n) of data[:n], written in index order; returns k.
 int64_t WriteTopk(const float* data, int64_t n, int64_t k, float* out_values,
                   int32_t* out_indices) {
+  if (k <= 0) return 0;
   std::vector<int32_t> kept = KeepAll(data, n, SampledThreshold(data, n, k), n);
   if (static_cast<int64_t>(kept.size()) < k) kept = KeepAll(data, n, 0, n);
   return WriteLargest(data, kept, k, out_values, out_indices);
@@ -186,12 +193,19 @@ ffi::Error Guarded(const char* name, Body body) {
   return ffi::Error::Success();
 }
 
-// Runs `select` (which returns the slots it wrote), then empties the slots past them.
+// Runs `select(capacity, values, indices)`, which returns the slots it wrote, then
+// empties the slots past them.
 template <typename Select>
-ffi::Error Fill(const char* name, int64_t capacity, float* out_values, int32_t* out_indices,
-                int32_t empty_index, Select select) {
+ffi::Error Fill(const char* name, ffi::ResultBuffer<ffi::F32>& values,
+                ffi::ResultBuffer<ffi::S32>& indices, int32_t empty_index, Select select) {
+  const int64_t capacity = static_cast<int64_t>(values->element_count());
+  if (static_cast<int64_t>(indices->element_count()) != capacity) {
+    return ffi::Error::InvalidArgument("values and indices must have the same size");
+  }
+  float* out_values = values->typed_data();
+  int32_t* out_indices = indices->typed_data();
   int64_t slot = 0;
-  ffi::Error error = Guarded(name, [&] { slot = select(); });
+  ffi::Error error = Guarded(name, [&] { slot = select(capacity, out_values, out_indices); });
   if (error.failure()) return error;
   for (; slot < capacity; ++slot) {
     out_values[slot] = 0.0f;
@@ -204,16 +218,10 @@ ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
                     int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
                     ffi::ResultBuffer<ffi::S32> indices) {
   const int64_t n = static_cast<int64_t>(x.element_count());
-  const int64_t capacity = static_cast<int64_t>(values->element_count());
-  if (static_cast<int64_t>(indices->element_count()) != capacity) {
-    return ffi::Error::InvalidArgument("values and indices must have the same size");
-  }
-  const int64_t k = std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, n));
-  const float* data = x.typed_data();
-  float* out_values = values->typed_data();
-  int32_t* out_indices = indices->typed_data();
-  return Fill("jaxcomp_topk", capacity, out_values, out_indices, empty_index, [&] {
-    return k > 0 ? WriteTopk(data, n, k, out_values, out_indices) : int64_t{0};
+  return Fill("jaxcomp_topk", values, indices, empty_index,
+              [&](int64_t capacity, float* out_values, int32_t* out_indices) {
+    const int64_t k = std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, n));
+    return WriteTopk(x.typed_data(), n, k, out_values, out_indices);
   });
 }
 
@@ -222,10 +230,6 @@ ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_bu
                            int64_t size, int64_t candidates, float min_fraction,
                            int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
                            ffi::ResultBuffer<ffi::S32> indices) {
-  const int64_t capacity = static_cast<int64_t>(values->element_count());
-  if (static_cast<int64_t>(indices->element_count()) != capacity) {
-    return ffi::Error::InvalidArgument("values and indices must have the same size");
-  }
   if (size < 1 || size > static_cast<int64_t>(x.element_count())) {
     return ffi::Error::InvalidArgument("size must be within [1, the length of x]");
   }
@@ -237,12 +241,12 @@ ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_bu
       return ffi::Error::InvalidArgument("sample positions must lie within [0, size)");
     }
   }
-  const int64_t k = std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, size));
   const int64_t rank = std::clamp<int64_t>(rank_buffer.typed_data()[0], 1, drawn);
   const float* data = x.typed_data();
-  float* out_values = values->typed_data();
-  int32_t* out_indices = indices->typed_data();
-  return Fill("jaxcomp_sampled_topk", capacity, out_values, out_indices, empty_index, [&] {
+  return Fill("jaxcomp_sampled_topk", values, indices, empty_index,
+              [&](int64_t capacity, float* out_values, int32_t* out_indices) {
+    const int64_t k =
+        std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, size));
     std::vector<int32_t> sample(drawn);
     for (int64_t j = 0; j < drawn; ++j) sample[j] = MagnitudeKey(data[position[j]]);
     std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
@@ -255,7 +259,7 @@ ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_bu
     if (enough && total <= candidates) {
       return WriteLargest(data, kept, std::min(k, total), out_values, out_indices);
     }
-    return k > 0 ? WriteTopk(data, size, k, out_values, out_indices) : int64_t{0};
+    return WriteTopk(data, size, k, out_values, out_indices);
   });
 }
 
@@ -280,16 +284,10 @@ void RowTopk(const float* row, int64_t width, int64_t k, float* values, int32_t*
   };
   int64_t i = 0;
   for (; i + kBlock <= width; i += kBlock) {
-    if (count == k) {
-      // A block none of whose entries passes the k-th best is skipped after one
-      // vectorized test, as in Keep: |x|'s bits pass wherever the key does (a
-      // NaN's pass an inf k-th best too; its block is then read entry by entry).
-      int32_t bits[kBlock];
-      std::memcpy(bits, row + i, sizeof(bits));
-      int32_t any = 0;
-      for (int64_t j = 0; j < kBlock; ++j) any |= (bits[j] & 0x7FFFFFFF) > keys[k - 1];
-      if (!any) continue;
-    }
+    // A block none of whose entries passes the k-th best is skipped after one
+    // test (a NaN passes an inf k-th best there; its block is then read entry by
+    // entry).
+    if (count == k && !AnyReaches(row + i, keys[k - 1] + 1)) continue;
     offer(i, i + kBlock);
   }
   offer(i, width);
