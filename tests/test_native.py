@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import jaxcomp
+from jaxcomp import registry
+from jaxcomp import training
 from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
 from jaxcomp._src import native
@@ -272,6 +274,120 @@ def test_the_sent_mask_call_gives_the_jax_route_s_bits(n, sent_from, drawn):
   with mock.patch.dict(selection._BY_BACKEND, {"cpu": with_jax}):
     by_jax = jax.jit(lambda i: error_feedback.sent_mask(n, i, sent_from))(indices)
   np.testing.assert_array_equal(np.asarray(by_call), np.asarray(by_jax))
+
+
+# Subnormals among _ENTRY's: XLA:CPU's addition flushes them to zero, and so must
+# the call's, on its second thread too.
+_ADDEND = st.one_of(_ENTRY, st.sampled_from([1e-39, -1e-39, 1.4e-45, 1.1754942e-38]))
+
+
+@st.composite
+def _leaf_sets(draw):
+  sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=12))
+  leaves = []
+  for size in sizes:
+    leaf = np.asarray(draw(st.lists(_ADDEND, min_size=size, max_size=size)), np.float32)
+    leaves.append(leaf.reshape(2, -1) if size % 2 == 0 and size else leaf)
+  n = sum(sizes)
+  residual = np.asarray(draw(st.lists(_ADDEND, min_size=n, max_size=n)), np.float32)
+  return leaves, residual
+
+
+def _fused_sum(leaves, residual, length):
+  """The JAX route's sum (XLA:CPU's addition flushes subnormals, as the call's does)."""
+
+  def fused(leaves, residual):
+    flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
+    if residual is not None:
+      flat = flat + residual
+    return jnp.pad(flat, (0, length - flat.size))
+
+  return np.asarray(jax.jit(fused)(leaves, residual))
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(0, 40))
+def test_the_corrected_call_gives_the_fused_sum_s_bits(case, with_residual, padding):
+  # Leaves of 0 to 40 entries, flat and [2, m]; ties, zeros of both signs,
+  # infinities, NaN and subnormals; with and without a residual, padded or not.
+  leaves, residual = case
+  residual = residual if with_residual else None
+  length = residual_size = sum(leaf.size for leaf in leaves)
+  length += padding
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length))(leaves, residual)
+  assert by_call.shape == (length,) and residual_size <= length
+  np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32),
+                                _fused_sum(leaves, residual, length).view(np.uint32))
+
+
+@harness.needs_native
+@pytest.mark.parametrize("sizes, padding", [
+    ((700_000, 5, 700_001), 0),  # the halves meet inside the 5-entry leaf
+    ((600_000, 600_000), 0),  # at a boundary between leaves
+    ((1_100_000,), 1_300_000),  # inside the zeros
+])
+def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding):
+  # Above 2**20 entries the call splits its output in two halves, one per thread.
+  rng = np.random.default_rng(7)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in sizes]
+  for leaf in leaves:
+    leaf[::1001] = 1e-39
+  residual = rng.standard_normal(sum(sizes)).astype(np.float32)
+  # A subnormal plus 0 is flushed to 0, in either half.
+  residual[np.concatenate(leaves) == np.float32(1e-39)] = 0.0
+  length = sum(sizes) + padding
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length))(leaves, residual)
+  np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32),
+                                _fused_sum(leaves, residual, length).view(np.uint32))
+
+
+@harness.needs_native
+def test_the_corrected_call_refuses_what_it_cannot_sum_by_name():
+  with pytest.raises(TypeError, match="f32"):
+    native.corrected([jnp.ones(3, jnp.bfloat16)])
+  with pytest.raises(ValueError, match="`residual`"):
+    native.corrected([jnp.ones(3)], jnp.ones(4))
+  with pytest.raises(ValueError, match="`length`"):
+    native.corrected([jnp.ones(3)], None, 2)
+
+
+# Twelve leaves: more than XLA:CPU fuses into a concatenation's reader. With
+# buckets of 0.01 MiB, the first bucket holds nine of them, the second three.
+_TWELVE = {f"w{i:02d}": jnp.zeros((3, 100)) for i in range(12)}
+
+
+@harness.needs_native
+@pytest.mark.parametrize("name, config", [
+    ("topk", dict(density=0.05)), ("signsgd", {}), ("quantized", dict(bits=8)),
+    ("sparseloco", dict(density=0.01, chunk_size=256))])
+@pytest.mark.parametrize("bucket_cap_mb, calls", [(None, 1), (0.01, 1)])
+def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
+    name, config, bucket_cap_mb, calls, monkeypatch):
+  # quantized and sparseloco pad the bucket (to whole blocks, to whole chunks).
+  def run(native_route):
+    monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
+    runs = harness.run_two_steps(
+        lambda axis: registry.build(name, axis, bucket_cap_mb=bucket_cap_mb, **config),
+        _TWELVE, 8, ("data",))
+    text = runs["compiled"].as_text()
+    assert text.count('custom_call_target="jaxcomp_corrected"') == (calls if native_route else 0)
+    return runs["outs"], runs["states"]
+
+  chex.assert_trees_all_equal(run(True), run(False))
+
+
+@harness.needs_native
+def test_the_hierarchical_path_sums_its_fused_shard_in_jax(monkeypatch):
+  # Its bucket's leaves are slices of one shard, which XLA's concatenation folds
+  # back into it: the call would copy each slice into an operand of its own. The
+  # native route is on (the shard's top-k is a call).
+  monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(exact_min_size=256))
+  mesh = training.make_mesh((2, 4), ("dcn", "ici"))
+  tx = jaxcomp.hierarchical(jaxcomp.topk(0.05, "dcn"), "ici", 4)
+  state = training.init_state(tx, _TWELVE, mesh, ("dcn", "ici"))
+  grads = training.shard(harness.per_device_normal(_TWELVE, 1), mesh, ("dcn", "ici"))
+  text = training.make_update(tx, mesh, ("dcn", "ici")).lower(grads, state).compile().as_text()
+  assert "jaxcomp_topk" in text and "jaxcomp_corrected" not in text
 
 
 def _fresh(code: str, **env) -> str:

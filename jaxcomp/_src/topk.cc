@@ -25,6 +25,15 @@
 // (jaxcomp/_src/error_feedback.py's sent_mask, the same bits): bit i % 32 of
 // word i / 32 for each index i in [0, n), and every bit from `sent_from` on.
 //
+// JaxcompCorrected: error feedback's corrected gradient (jaxcomp/_src/protocol.py's
+// _corrected, the same bits): the leaves (any number of f32 arrays) end to end,
+// plus the residual element by element where one is given, then zeros to the
+// output's length. One pass that reads each leaf where it lies, on two threads,
+// where XLA:CPU copies a concatenation of more than 8 arrays into a buffer of its
+// own and reads it back for the addition. The second thread inherits the caller's
+// floating-point environment (XLA:CPU's flushes subnormals), so both halves add
+// as XLA does.
+//
 // Loaded and registered by jaxcomp/_src/native.py, which compiles this file on
 // first use.
 
@@ -342,6 +351,62 @@ ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_f
   return ffi::Error::Success();
 }
 
+// out[begin, end) of the leaves end to end (leaf j from offsets[j], offsets ending
+// with their total n), plus residual[i] where it is not null, and 0 past n.
+void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                   const float* residual, float* out, int64_t begin, int64_t end) {
+  const int64_t n = offsets.back();
+  // The leaf that holds `begin`: the last that starts at or before it.
+  size_t leaf = std::upper_bound(offsets.begin(), offsets.end() - 1, begin) - offsets.begin();
+  leaf = leaf > 0 ? leaf - 1 : 0;
+  int64_t i = begin;
+  for (; i < std::min(end, n); ++leaf) {
+    const int64_t stop = std::min(end, offsets[leaf + 1]);
+    if (stop <= i) continue;  // an empty leaf
+    const float* from = leaves[leaf] + (i - offsets[leaf]);
+    const int64_t count = stop - i;
+    float* to = out + i;
+    if (residual == nullptr) {
+      std::memcpy(to, from, count * sizeof(float));
+    } else {
+      const float* add = residual + i;
+      for (int64_t j = 0; j < count; ++j) to[j] = from[j] + add[j];
+    }
+    i = stop;
+  }
+  if (i < end) std::memset(out + i, 0, (end - i) * sizeof(float));
+}
+
+ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets = {0};
+  for (size_t j = 0; j < leaves.size(); ++j) {
+    auto leaf = leaves.get<ffi::Buffer<ffi::F32>>(j);
+    if (!leaf.has_value()) return leaf.error();
+    data.push_back(leaf->typed_data());
+    offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
+  }
+  const int64_t n = offsets.back();
+  const int64_t length = static_cast<int64_t>(out->element_count());
+  const int64_t given = static_cast<int64_t>(residual.element_count());
+  if (length < n || (given != 0 && given != n)) {
+    return ffi::Error::InvalidArgument(
+        "the output must hold the leaves, and the residual be as long as they are or empty");
+  }
+  const float* add = given == 0 ? nullptr : residual.typed_data();
+  float* to = out->typed_data();
+  return Guarded("jaxcomp_corrected", [&] {
+    if (length < kSplitAbove) {
+      CorrectedSpan(data, offsets, add, to, 0, length);
+    } else {
+      const int64_t half = length / 2;
+      InParallel([&] { CorrectedSpan(data, offsets, add, to, 0, half); },
+                 [&] { CorrectedSpan(data, offsets, add, to, half, length); });
+    }
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopk, TopkImpl,
@@ -377,3 +442,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkPerRow, TopkPerRowImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
