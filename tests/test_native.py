@@ -306,27 +306,33 @@ def _fused_sum(leaves, residual, length):
 
 
 @harness.needs_native
-@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(0, 40))
-def test_the_corrected_call_gives_the_fused_sum_s_bits(case, with_residual, padding):
+@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(0, 40), st.data())
+def test_the_corrected_call_gives_the_fused_sum_s_bits(case, with_residual, padding, data):
   # Leaves of 0 to 40 entries, flat and [2, m]; ties, zeros of both signs,
-  # infinities, NaN and subnormals; with and without a residual, padded or not.
+  # infinities, NaN and subnormals; with and without a residual, padded or not;
+  # one output, or parts (some empty) cut anywhere.
   leaves, residual = case
   residual = residual if with_residual else None
-  length = residual_size = sum(leaf.size for leaf in leaves)
-  length += padding
-  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length))(leaves, residual)
-  assert by_call.shape == (length,) and residual_size <= length
+  length = sum(leaf.size for leaf in leaves) + padding
+  cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=4)))
+  parts = None if not cuts else tuple(int(d) for d in np.diff([0, *cuts, length]))
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts))(leaves, residual)
+  if parts is not None:
+    assert tuple(part.shape[0] for part in by_call) == parts
+    by_call = jnp.concatenate(by_call)
+  assert by_call.shape == (length,)
   np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32),
                                 _fused_sum(leaves, residual, length).view(np.uint32))
 
 
 @harness.needs_native
-@pytest.mark.parametrize("sizes, padding", [
-    ((700_000, 5, 700_001), 0),  # the halves meet inside the 5-entry leaf
-    ((600_000, 600_000), 0),  # at a boundary between leaves
-    ((1_100_000,), 1_300_000),  # inside the zeros
+@pytest.mark.parametrize("sizes, padding, parts", [
+    ((700_000, 5, 700_001), 0, None),  # the halves meet inside the 5-entry leaf
+    ((600_000, 600_000), 0, None),  # at a boundary between leaves
+    ((1_100_000,), 1_300_000, None),  # inside the zeros
+    ((600_000, 600_000), 10, (300_000, 600_005, 300_005)),  # inside a part
 ])
-def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding):
+def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts):
   # Above 2**20 entries the call splits its output in two halves, one per thread.
   rng = np.random.default_rng(7)
   leaves = [rng.standard_normal(size).astype(np.float32) for size in sizes]
@@ -336,7 +342,9 @@ def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding):
   # A subnormal plus 0 is flushed to 0, in either half.
   residual[np.concatenate(leaves) == np.float32(1e-39)] = 0.0
   length = sum(sizes) + padding
-  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length))(leaves, residual)
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts))(leaves, residual)
+  if parts is not None:
+    by_call = jnp.concatenate(by_call)
   np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32),
                                 _fused_sum(leaves, residual, length).view(np.uint32))
 
@@ -349,18 +357,24 @@ def test_the_corrected_call_refuses_what_it_cannot_sum_by_name():
     native.corrected([jnp.ones(3)], jnp.ones(4))
   with pytest.raises(ValueError, match="`length`"):
     native.corrected([jnp.ones(3)], None, 2)
+  with pytest.raises(ValueError, match="`parts`"):
+    native.corrected([jnp.ones(3)], None, 5, parts=(2, 2))
+  with pytest.raises(ValueError, match="`parts`"):
+    native.corrected([jnp.ones(3)], None, parts=(4, -1))
 
 
 # Twelve leaves: more than XLA:CPU fuses into a concatenation's reader. With
-# buckets of 0.01 MiB, the first bucket holds nine of them, the second three.
-_TWELVE = {f"w{i:02d}": jnp.zeros((3, 100)) for i in range(12)}
+# buckets of 0.02 MiB, the first bucket holds nine of them, the second three.
+_TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 
 
 @harness.needs_native
 @pytest.mark.parametrize("name, config", [
     ("topk", dict(density=0.05)), ("signsgd", {}), ("quantized", dict(bits=8)),
-    ("sparseloco", dict(density=0.01, chunk_size=256))])
-@pytest.mark.parametrize("bucket_cap_mb, calls", [(None, 1), (0.01, 1)])
+    ("sparseloco", dict(density=0.01, chunk_size=256)),
+    # Runs: a batch of 8 matrices, then the rest (and the empty run of dense leaves).
+    ("powersgd", dict(rank=2)), ("acpsgd", dict(rank=2))])
+@pytest.mark.parametrize("bucket_cap_mb, calls", [(None, 1), (0.02, 1)])
 def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
     name, config, bucket_cap_mb, calls, monkeypatch):
   # quantized and sparseloco pad the bucket (to whole blocks, to whole chunks).

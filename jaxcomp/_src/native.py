@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -283,8 +283,8 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
   )(jnp.asarray(indices, jnp.int32).reshape(-1), n=np.int64(n), sent_from=np.int64(sent_from))
 
 
-def corrected(leaves, residual: Optional[jax.Array] = None,
-              length: Optional[int] = None) -> jax.Array:
+def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int] = None,
+              *, parts: Optional[Sequence[int]] = None):
   """Error feedback's corrected gradient by the custom call (CPU only): the
   :func:`jaxcomp._src.protocol` route's bits, in one pass over the leaves.
 
@@ -293,11 +293,15 @@ def corrected(leaves, residual: Optional[jax.Array] = None,
       into a buffer of its own first).
     residual: ``f32[n]``, ``n`` the leaves' entries together; ``None``: none
       added.
-    length: static, at least ``n`` (by default ``n``).
+    length: static, at least ``n`` (by default ``n``, or the sum of
+      ``parts``).
+    parts: static sizes of consecutive outputs, summing to ``length``
+      (a method's runs, :attr:`jaxcomp.protocol.Method.runs`); ``None``: one.
 
   Returns:
-    ``f32[length]``: the leaves raveled end to end, plus ``residual`` element
-    by element (one f32 addition each, in the caller's floating-point
+    ``f32[length]`` (``parts``: a tuple of ``f32[size]`` that lie end to end
+    in it): the leaves raveled end to end, plus ``residual`` element by
+    element (one f32 addition each, in the caller's floating-point
     environment, which the call's second thread inherits: XLA:CPU's, which
     flushes subnormals, as its own addition does), then zeros.
 
@@ -310,12 +314,19 @@ def corrected(leaves, residual: Optional[jax.Array] = None,
     if leaf.dtype != jnp.float32:
       raise TypeError(f"the leaves must be f32, got {leaf.dtype}")
   n = sum(leaf.size for leaf in leaves)
+  if parts is not None:
+    parts = tuple(checks.check_number(p, "parts", integer=True, low=0) for p in parts)
+    if length is not None and sum(parts) != length:
+      raise ValueError(f"`parts` {parts} must sum to `length` {length}")
+    length = sum(parts)
   length = n if length is None else checks.check_number(length, "length", integer=True, low=n)
   if residual is None:
     residual = jnp.zeros((0,), jnp.float32)
   elif residual.shape != (n,) or residual.dtype != jnp.float32:
     raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
                      f" {residual.dtype}{list(residual.shape)}")
-  return jax.ffi.ffi_call(
-      "jaxcomp_corrected", jax.ShapeDtypeStruct((length,), jnp.float32),
+  sizes = (length,) if parts is None else parts
+  out = jax.ffi.ffi_call(
+      "jaxcomp_corrected", tuple(jax.ShapeDtypeStruct((size,), jnp.float32) for size in sizes),
       vmap_method="sequential")(residual, *leaves)
+  return out[0] if parts is None else tuple(out)

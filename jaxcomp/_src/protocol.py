@@ -56,6 +56,7 @@ form back.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -581,8 +582,20 @@ def _token_of(tree) -> Optional[jax.Array]:
   return sum(tokens[1:], tokens[0]) if tokens else None
 
 
+def _native_sum(bucket: fusion.Bucket, leaves_apart: bool) -> bool:
+  """Whether the custom call :func:`jaxcomp._src.native.corrected` sums the bucket
+  (see :func:`_corrected`)."""
+  return (leaves_apart and len(bucket.leaves) > fusion.FUSED_CONCATENATION
+          and all(dtype == jnp.float32 for dtype in bucket.dtypes) and selection.native_route())
+
+
+def _bucket_leaves(bucket: fusion.Bucket, updates: optax.Updates) -> list[jax.Array]:
+  leaves = jax.tree.leaves(updates)
+  return [leaves[i] for i in bucket.leaves]
+
+
 def _corrected_runs(bucket: fusion.Bucket, runs: Sequence[int], updates: optax.Updates,
-                    residual: Optional[jax.Array]) -> tuple[jax.Array, ...]:
+                    residual: Optional[jax.Array], leaves_apart: bool) -> tuple[jax.Array, ...]:
   """The corrected gradient as one flat f32 array per run of ``runs`` leaves (:attr:`Method.runs`).
 
   Each run's leaves concatenated, plus its span of ``residual``
@@ -593,11 +606,17 @@ def _corrected_runs(bucket: fusion.Bucket, runs: Sequence[int], updates: optax.U
   matrix product then reads the run where it lies; the whole bucket's
   concatenation (161 leaves on ResNet-50) is a copy of its own that the add
   reads back, and a run cut from it a copy again for its product: 4 passes
-  over the gradient more.
+  over the gradient more. Where :func:`_corrected` takes the custom call,
+  one call writes every run, each an output of its own (ResNet-50's
+  PowerSGD: one kernel where the runs' additions were 31).
   """
   if sum(runs) != len(bucket.leaves) or any(r < 0 for r in runs):
     raise ValueError(f"a method's runs {tuple(runs)} must cut the bucket's"
                      f" {len(bucket.leaves)} leaves into consecutive runs")
+  if _native_sum(bucket, leaves_apart):
+    bounds = list(itertools.accumulate(runs, initial=0))
+    parts = tuple(bucket.part(a, b).size for a, b in zip(bounds, bounds[1:]))
+    return native.corrected(_bucket_leaves(bucket, updates), residual, parts=parts)
   out, start, offset = [], 0, 0
   for count in runs:
     part = bucket.part(start, start + count)
@@ -637,10 +656,8 @@ def _corrected(bucket: fusion.Bucket, updates: optax.Updates, residual: jax.Arra
   of it would make it a copy).
   """
   n = bucket.size
-  if (leaves_apart and len(bucket.leaves) > fusion.FUSED_CONCATENATION
-      and all(dtype == jnp.float32 for dtype in bucket.dtypes) and selection.native_route()):
-    leaves = jax.tree.leaves(updates)
-    return native.corrected([leaves[i] for i in bucket.leaves], residual, length)
+  if _native_sum(bucket, leaves_apart):
+    return native.corrected(_bucket_leaves(bucket, updates), residual, length)
   if length == n:
     return bucket.flatten(updates) + residual
   if len(bucket.leaves) <= fusion.FUSED_CONCATENATION:
@@ -731,7 +748,8 @@ def compressor(method: Method) -> optax.GradientTransformation:
       length = method.flat_length(bucket, ctx.num_devices)
     if method.runs is not None:
       corrected = _corrected_runs(bucket, method.runs(bucket), updates,
-                                  state.residual if method.error_feedback else None)
+                                  state.residual if method.error_feedback else None,
+                                  leaves_apart)
     elif method.prepare is not None:
       corrected, carry = method.prepare(ctx, bucket.flatten(updates, length), state)
       ctx = dataclasses.replace(ctx, carry=carry)

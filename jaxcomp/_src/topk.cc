@@ -28,7 +28,8 @@
 // JaxcompCorrected: error feedback's corrected gradient (jaxcomp/_src/protocol.py's
 // _corrected, the same bits): the leaves (any number of f32 arrays) end to end,
 // plus the residual element by element where one is given, then zeros to the
-// output's length. One pass that reads each leaf where it lies, on two threads,
+// output's length; the output is one array, or several that lie end to end (a
+// method's runs). One pass that reads each leaf where it lies, on two threads,
 // where XLA:CPU copies a concatenation of more than 8 arrays into a buffer of its
 // own and reads it back for the addition. The second thread inherits the caller's
 // floating-point environment (XLA:CPU's flushes subnormals), so both halves add
@@ -351,10 +352,12 @@ ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_f
   return ffi::Error::Success();
 }
 
-// out[begin, end) of the leaves end to end (leaf j from offsets[j], offsets ending
-// with their total n), plus residual[i] where it is not null, and 0 past n.
+// Positions [begin, end) of the leaves end to end (leaf j from offsets[j], offsets
+// ending with their total n), plus residual[i] where it is not null, and 0 past n,
+// written to `out`, which holds position `out_start` first.
 void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
-                   const float* residual, float* out, int64_t begin, int64_t end) {
+                   const float* residual, float* out, int64_t out_start, int64_t begin,
+                   int64_t end) {
   const int64_t n = offsets.back();
   // The leaf that holds `begin`: the last that starts at or before it.
   size_t leaf = std::upper_bound(offsets.begin(), offsets.end() - 1, begin) - offsets.begin();
@@ -365,7 +368,7 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
     if (stop <= i) continue;  // an empty leaf
     const float* from = leaves[leaf] + (i - offsets[leaf]);
     const int64_t count = stop - i;
-    float* to = out + i;
+    float* to = out + (i - out_start);
     if (residual == nullptr) {
       std::memcpy(to, from, count * sizeof(float));
     } else {
@@ -374,11 +377,11 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
     }
     i = stop;
   }
-  if (i < end) std::memset(out + i, 0, (end - i) * sizeof(float));
+  if (i < end) std::memset(out + (i - out_start), 0, (end - i) * sizeof(float));
 }
 
 ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
-                         ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::RemainingRets parts) {
   std::vector<const float*> data;
   std::vector<int64_t> offsets = {0};
   for (size_t j = 0; j < leaves.size(); ++j) {
@@ -387,22 +390,35 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     data.push_back(leaf->typed_data());
     offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
   }
+  // The output is the parts end to end.
+  std::vector<float*> out;
+  std::vector<int64_t> starts = {0};
+  for (size_t j = 0; j < parts.size(); ++j) {
+    auto part = parts.get<ffi::Buffer<ffi::F32>>(j);
+    if (!part.has_value()) return part.error();
+    out.push_back((*part)->typed_data());
+    starts.push_back(starts.back() + static_cast<int64_t>((*part)->element_count()));
+  }
   const int64_t n = offsets.back();
-  const int64_t length = static_cast<int64_t>(out->element_count());
+  const int64_t length = starts.back();
   const int64_t given = static_cast<int64_t>(residual.element_count());
   if (length < n || (given != 0 && given != n)) {
     return ffi::Error::InvalidArgument(
-        "the output must hold the leaves, and the residual be as long as they are or empty");
+        "the outputs must hold the leaves, and the residual be as long as they are or empty");
   }
   const float* add = given == 0 ? nullptr : residual.typed_data();
-  float* to = out->typed_data();
+  // Positions [begin, end) of the output, part by part.
+  auto fill = [&](int64_t begin, int64_t end) {
+    for (size_t j = 0; j < out.size(); ++j) {
+      const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
+      if (from < to) CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
+    }
+  };
   return Guarded("jaxcomp_corrected", [&] {
     if (length < kSplitAbove) {
-      CorrectedSpan(data, offsets, add, to, 0, length);
+      fill(0, length);
     } else {
-      const int64_t half = length / 2;
-      InParallel([&] { CorrectedSpan(data, offsets, add, to, 0, half); },
-                 [&] { CorrectedSpan(data, offsets, add, to, half, length); });
+      InParallel([&] { fill(0, length / 2); }, [&] { fill(length / 2, length); });
     }
   });
 }
@@ -447,4 +463,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingRets());
