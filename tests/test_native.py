@@ -372,6 +372,8 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 @pytest.mark.parametrize("name, config", [
     ("topk", dict(density=0.05)), ("signsgd", {}), ("quantized", dict(bits=8)),
     ("sparseloco", dict(density=0.01, chunk_size=256)),
+    # Without error feedback (the leaves copied, padded), and DGC's momentum first.
+    ("qsgd", dict(levels=8)), ("dgc", dict(density=0.05)),
     # Runs: a batch of 8 matrices, then the rest (and the empty run of dense leaves).
     ("powersgd", dict(rank=2)), ("acpsgd", dict(rank=2))])
 @pytest.mark.parametrize("bucket_cap_mb, calls", [(None, 1), (0.02, 1)])
