@@ -62,7 +62,7 @@ hypothesis.settings.load_profile("jaxcomp")
 _SECONDS = {
     "test_contract.py": 223, "test_reliability.py": 197, "test_buckets.py": 175,
     "test_hierarchical.py": 111, "test_checkpoint.py": 109, "test_compare.py": 106,
-    "test_selection.py": 92, "test_netbench.py": 74, "test_native.py": 70,
+    "test_selection.py": 92, "test_native.py": 79, "test_netbench.py": 74,
     "test_sparsify.py": 69, "test_lm.py": 67, "test_properties.py": 67,
     "test_lowrank.py": 53, "test_notebook.py": 48, "test_dgc.py": 45,
     "test_forms.py": 42, "test_large_batch.py": 39, "test_nnx.py": 39,
