@@ -21,6 +21,7 @@ from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
 from jaxcomp._src import native
 from jaxcomp._src import selection
+from jaxcomp._src import two_hop
 from tests import harness
 
 # Magnitudes with many ties, zeros of both signs, infinities and NaN among them.
@@ -327,13 +328,15 @@ def test_the_corrected_call_gives_the_fused_sum_s_bits(case, with_residual, padd
 
 
 @harness.needs_native
-@pytest.mark.parametrize("sizes, padding, parts", [
-    ((700_000, 5, 700_001), 0, None),  # the halves meet inside the 5-entry leaf
-    ((600_000, 600_000), 0, None),  # at a boundary between leaves
-    ((1_100_000,), 1_300_000, None),  # inside the zeros
-    ((600_000, 600_000), 10, (300_000, 600_005, 300_005)),  # inside a part
+@pytest.mark.parametrize("sizes, padding, parts, block", [
+    ((700_000, 5, 700_001), 0, None, None),  # the halves meet inside the 5-entry leaf
+    ((600_000, 600_000), 0, None, None),  # at a boundary between leaves
+    ((1_100_000,), 1_300_000, None, None),  # inside the zeros
+    ((600_000, 600_000), 10, (300_000, 600_005, 300_005), None),  # inside a part
+    # Between whole blocks of 64 (700,032: inside the third leaf), maxima taken too.
+    ((700_000, 5, 700_001), 58, None, 64),
 ])
-def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts):
+def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts, block):
   # Above 2**20 entries the call splits its output in two halves, one per thread.
   rng = np.random.default_rng(7)
   leaves = [rng.standard_normal(size).astype(np.float32) for size in sizes]
@@ -343,11 +346,35 @@ def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts):
   # A subnormal plus 0 is flushed to 0, in either half.
   residual[np.concatenate(leaves) == np.float32(1e-39)] = 0.0
   length = sum(sizes) + padding
-  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts))(leaves, residual)
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts, block=block))(
+      leaves, residual)
   if parts is not None:
     by_call = jnp.concatenate(by_call)
-  np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32),
-                                _fused_sum(leaves, residual, length).view(np.uint32))
+  expected = _fused_sum(leaves, residual, length)
+  if block is not None:
+    by_call, maxima = by_call
+    by_jax = jax.jit(lambda x: selection.max_magnitude(x.reshape(-1, block)))(expected)
+    np.testing.assert_array_equal(np.asarray(maxima), np.asarray(by_jax))
+  np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32), expected.view(np.uint32))
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(1, 9), st.integers(0, 2))
+def test_the_corrected_call_s_block_maxima_are_max_magnitude_s_bits(
+    case, with_residual, block, extra):
+  # NaN counted as inf, ties, zeros of both signs; blocks in the zero tail too.
+  leaves, residual = case
+  residual = residual if with_residual else None
+  n = sum(leaf.size for leaf in leaves)
+  length = (-(-n // block) + extra) * block
+  hypothesis.assume(length > 0)
+  total, maxima = jax.jit(lambda ls, r: native.corrected(ls, r, length, block=block))(
+      leaves, residual)
+  expected = _fused_sum(leaves, residual, length)
+  np.testing.assert_array_equal(np.asarray(total).view(np.uint32), expected.view(np.uint32))
+  by_jax = jax.jit(lambda x: selection.max_magnitude(x.reshape(-1, block)))(expected)
+  np.testing.assert_array_equal(np.asarray(maxima).view(np.uint32),
+                                np.asarray(by_jax).view(np.uint32))
 
 
 @harness.needs_native
@@ -362,6 +389,10 @@ def test_the_corrected_call_refuses_what_it_cannot_sum_by_name():
     native.corrected([jnp.ones(3)], None, 5, parts=(2, 2))
   with pytest.raises(ValueError, match="`parts`"):
     native.corrected([jnp.ones(3)], None, parts=(4, -1))
+  with pytest.raises(ValueError, match="`block`"):
+    native.corrected([jnp.ones(3)], None, 5, block=2)
+  with pytest.raises(ValueError, match="`block`"):
+    native.corrected([jnp.ones(3)], None, parts=(2, 2), block=2)
 
 
 # Twelve leaves: more than XLA:CPU fuses into a concatenation's reader. With
@@ -372,6 +403,8 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 @harness.needs_native
 @pytest.mark.parametrize("name, config", [
     ("topk", dict(density=0.05)), ("signsgd", {}), ("quantized", dict(bits=8)),
+    # The blocks' maxima from the call (4 bits: blocks of an even length).
+    ("quantized", dict(bits=4, error_feedback=False)),
     ("sparseloco", dict(density=0.01, chunk_size=256)),
     # Without error feedback (the leaves copied, padded), and DGC's momentum first.
     ("qsgd", dict(levels=8)), ("dgc", dict(density=0.05)),
@@ -392,6 +425,23 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
+
+
+@harness.needs_native
+@pytest.mark.parametrize("native_route", [True, False])
+def test_the_integer_codes_take_their_scales_from_the_call_where_it_runs(
+    native_route, monkeypatch):
+  monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
+  given = []
+  mean = two_hop.mean
+
+  def recorded(*args, **kwargs):
+    given.append(args[5] if len(args) > 5 else kwargs.get("scales"))
+    return mean(*args, **kwargs)
+
+  monkeypatch.setattr(two_hop, "mean", recorded)
+  harness.run_two_steps(lambda axis: jaxcomp.quantized(8, axis), _TWELVE, 8, ("data",))
+  assert given and all((scales is not None) == native_route for scales in given)
 
 
 @harness.needs_native

@@ -104,6 +104,11 @@ class Context:
       (``update``'s ``compressor_form`` argument), else an int32 scalar
       computed from ``count`` (the same on every device). :meth:`switch`
       branches on it.
+    block_maxima: f32 ``[length / block]``, each block's largest ``|entry|``
+      of the corrected gradient (NaN counted as ``inf``,
+      :func:`jaxcomp._src.selection.max_magnitude`'s bits) for a method with
+      :attr:`Method.block_maxima`, where the native call formed it; else
+      ``None`` (the method takes them itself).
   """
 
   bucket: fusion.Bucket
@@ -115,6 +120,7 @@ class Context:
   finite: Optional[jax.Array] = None
   after: Optional[jax.Array] = None
   form: Any = None
+  block_maxima: Optional[jax.Array] = None
 
   @property
   def num_devices(self) -> int:
@@ -463,6 +469,11 @@ class Method:
       bucket of few leaves is padded in the addition instead,
       :func:`_corrected`); ``None``: ``bucket.size``. The residual stays
       ``f32[bucket.size]``, and the mean too.
+    block_maxima: ``block_maxima(bucket, P) -> int``, a block length that
+      divides the fused gradient's: where the native custom call forms the
+      corrected gradient (:func:`_corrected`), it also takes each block's
+      largest magnitude in the same pass (:attr:`Context.block_maxima`, a
+      codec's scales without a read of their own); ``None``: none.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_order: ``None`` (reverse tree order) or the tree positions of the
@@ -516,6 +527,7 @@ class Method:
   propagates_nonfinite: bool = False
   payload_carries_nonfinite: bool = False
   flat_length: Optional[Callable[[fusion.Bucket, int], int]] = None
+  block_maxima: Optional[Callable[[fusion.Bucket, int], int]] = None
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -766,6 +778,11 @@ def compressor(method: Method) -> optax.GradientTransformation:
       ctx = dataclasses.replace(ctx, carry=carry)
       if method.error_feedback:
         corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
+    elif method.block_maxima is not None and _native_sum(bucket, leaves_apart):
+      corrected, maxima = native.corrected(
+          _bucket_leaves(bucket, updates), state.residual if method.error_feedback else None,
+          length, block=method.block_maxima(bucket, ctx.num_devices))
+      ctx = dataclasses.replace(ctx, block_maxima=maxima)
     elif method.error_feedback:
       corrected = _corrected(bucket, updates, state.residual, length, leaves_apart)
     else:

@@ -54,10 +54,16 @@ def _levels(x: jax.Array, bits: int, block: int,
             scales: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
   """``(int8 levels [m * block], f32 scales [m])``: :func:`encode`'s before they are bytes."""
   blocks = x.reshape(-1, block)
-  top = 2 ** (bits - 1) - 1
+  top = _top(bits)
   scales = selection.max_magnitude(blocks) / top if scales is None else scales
   level = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[:, None])
   return jnp.clip(level, -top, top).astype(jnp.int8).reshape(-1), scales
+
+
+def _top(bits: int) -> int:
+  """The largest level of ``bits``-bit codes, ``2**(bits - 1) - 1``: a scale is a block's
+  largest magnitude over it."""
+  return 2 ** (bits - 1) - 1
 
 
 def decode(payload: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
@@ -167,8 +173,14 @@ def quantized(
   def step(ctx, corrected, state):
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
-    mean, residual, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk)
+    # The blocks' largest magnitudes, where the corrected gradient's pass took them.
+    scales = None if ctx.block_maxima is None else ctx.block_maxima / _top(bits)
+    mean, residual, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk,
+                                          scales)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
+
+  def block_maxima(bucket, devices):
+    return two_hop.chunking(bucket.size, devices, block_size, multiple)[0]
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -179,6 +191,7 @@ def quantized(
       config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
-      flat_length=two_hop.flat_length(block_size, multiple), error_feedback=error_feedback,
+      flat_length=two_hop.flat_length(block_size, multiple), block_maxima=block_maxima,
+      error_feedback=error_feedback,
       payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

@@ -29,7 +29,9 @@
 // _corrected, the same bits): the leaves (any number of f32 arrays) end to end,
 // plus the residual element by element where one is given, then zeros to the
 // output's length; the output is one array, or several that lie end to end (a
-// method's runs). One pass that reads each leaf where it lies, on two threads,
+// method's runs); with `block`, also each block's largest magnitude (NaN as inf),
+// taken from the sum while it is in cache. One pass that reads each leaf where it
+// lies, on two threads,
 // where XLA:CPU copies a concatenation of more than 8 arrays into a buffer of its
 // own and reads it back for the addition. The second thread inherits the caller's
 // floating-point environment (XLA:CPU's flushes subnormals), so both halves add
@@ -380,8 +382,18 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
   if (i < end) std::memset(out + (i - out_start), 0, (end - i) * sizeof(float));
 }
 
+// Block b's largest magnitude key (NaN as inf) of out[b * block, (b + 1) * block),
+// as the f32 whose bits it is, for the blocks from `first` to `last` - 1.
+void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, float* maxima) {
+  for (int64_t b = first; b < last; ++b) {
+    int32_t top = 0;
+    for (int64_t j = b * block; j < (b + 1) * block; ++j) top = std::max(top, MagnitudeKey(out[j]));
+    std::memcpy(maxima + b, &top, sizeof(top));
+  }
+}
+
 ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
-                         ffi::RemainingRets parts) {
+                         int64_t block, ffi::RemainingRets results) {
   std::vector<const float*> data;
   std::vector<int64_t> offsets = {0};
   for (size_t j = 0; j < leaves.size(); ++j) {
@@ -390,32 +402,54 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     data.push_back(leaf->typed_data());
     offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
   }
-  // The output is the parts end to end.
+  // The output is the parts end to end; with `block`, the blocks' maxima follow them.
+  const size_t count = results.size() - (block > 0 ? 1 : 0);
   std::vector<float*> out;
   std::vector<int64_t> starts = {0};
-  for (size_t j = 0; j < parts.size(); ++j) {
-    auto part = parts.get<ffi::Buffer<ffi::F32>>(j);
-    if (!part.has_value()) return part.error();
-    out.push_back((*part)->typed_data());
-    starts.push_back(starts.back() + static_cast<int64_t>((*part)->element_count()));
+  for (size_t j = 0; j < results.size(); ++j) {
+    auto result = results.get<ffi::Buffer<ffi::F32>>(j);
+    if (!result.has_value()) return result.error();
+    out.push_back((*result)->typed_data());
+    starts.push_back(starts.back() + static_cast<int64_t>((*result)->element_count()));
   }
   const int64_t n = offsets.back();
-  const int64_t length = starts.back();
+  const int64_t length = starts[count];
   const int64_t given = static_cast<int64_t>(residual.element_count());
   if (length < n || (given != 0 && given != n)) {
     return ffi::Error::InvalidArgument(
         "the outputs must hold the leaves, and the residual be as long as they are or empty");
   }
+  if (block > 0 && (count != 1 || length % block != 0 || starts[2] - starts[1] != length / block)) {
+    return ffi::Error::InvalidArgument(
+        "the blocks' maxima need one output of whole blocks, then one maximum per block");
+  }
   const float* add = given == 0 ? nullptr : residual.typed_data();
   // Positions [begin, end) of the output, part by part.
   auto fill = [&](int64_t begin, int64_t end) {
-    for (size_t j = 0; j < out.size(); ++j) {
+    for (size_t j = 0; j < count; ++j) {
       const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
       if (from < to) CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
     }
   };
+  // With the blocks' maxima: whole blocks at a time, each tile's maxima taken while it
+  // is still in cache (about 4,096 entries a tile).
+  auto fill_blocks = [&](int64_t first, int64_t last) {
+    const int64_t tile = std::max<int64_t>(1, 4096 / block);
+    for (int64_t b = first; b < last; b += tile) {
+      const int64_t stop = std::min(last, b + tile);
+      fill(b * block, stop * block);
+      BlockMaxima(out[0], block, b, stop, out[1]);
+    }
+  };
   return Guarded("jaxcomp_corrected", [&] {
-    if (length < kSplitAbove) {
+    if (block > 0) {
+      const int64_t blocks = length / block;
+      if (length < kSplitAbove) {
+        fill_blocks(0, blocks);
+      } else {
+        InParallel([&] { fill_blocks(0, blocks / 2); }, [&] { fill_blocks(blocks / 2, blocks); });
+      }
+    } else if (length < kSplitAbove) {
       fill(0, length);
     } else {
       InParallel([&] { fill(0, length / 2); }, [&] { fill(length / 2, length); });
@@ -463,4 +497,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
+                                  .Attr<int64_t>("block")
                                   .RemainingRets());

@@ -19,7 +19,7 @@ per device, about ``2 (P - 1) / P`` of the bytes of one encoded gradient.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +90,9 @@ def flat_length(block_size: int, multiple: int = 1) -> Callable:
                                                     multiple)[1]
 
 
-def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
-         chunk: int) -> tuple[jax.Array, Callable[[], jax.Array], jax.Array]:
+def mean(ctx, corrected: jax.Array, codec: Codec, block: int, chunk: int,
+         scales: Optional[jax.Array] = None
+         ) -> tuple[jax.Array, Callable[[], jax.Array], jax.Array]:
   """``(mean, residual, scales)``: the two-hop mean, f32 ``[n]``; ``residual()``,
   ``corrected`` less this device's encoded gradient decoded (what error feedback
   keeps), shaped like ``corrected``; and the gathered scales of the mean,
@@ -110,14 +111,15 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int,
   scales the scales by ``1/P`` and poisons them where this device's input
   is not finite), its bucket of ``n`` entries; ``corrected``: f32 ``[P C]``,
   the bucket, then zeros (:func:`flat_length`); ``(block, chunk)`` from
-  :func:`chunking`.
+  :func:`chunking`; ``scales``: ``corrected``'s, where already known (the
+  codec's ``encode`` then computes the payload alone).
   """
   n, devices = ctx.bucket.size, ctx.num_devices
   if corrected.shape[0] != devices * chunk:
     raise ValueError(f"`corrected` must hold P C = {devices * chunk} entries (the bucket"
                      f" padded by `flat_length`), got {corrected.shape[0]}")
   payload_bytes = codec.payload_bytes(chunk)
-  payload, scales = codec.encode(corrected, 0)
+  payload, scales = codec.encode(corrected, 0, scales)
   outgoing = _parts(payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1))
   chunk_mean = collectives.sum_rows(
       codec.decode(*_unpacked(ctx.all_to_all(outgoing), payload_bytes)))
