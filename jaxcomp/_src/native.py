@@ -16,8 +16,9 @@ JAX), for error feedback's packed mask of what was sent (:func:`sent_mask`:
 four kernels of a scatter in JAX) and for its corrected gradient
 (:func:`corrected`: the leaves and the residual read once, where XLA:CPU
 copies the concatenation of more than 8 leaves into a buffer of its own and
-reads it back; the integer codes' block maxima taken in the same pass). Paired in one process on 2 cores of an AMD
-EPYC, the call against the JAX route: the exact top-k of ResNet-50's 25.6M
+reads it back; the integer codes' block maxima taken in the same pass).
+Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
+route: the exact top-k of ResNet-50's 25.6M
 entries at density 0.001 in 8.1-8.7 ms against 21-22, of a 25 MiB bucket of
 6.5M in 3.3-4.4 against 6.3-7.0; DGC's selection in such a bucket in 3.2-3.9
 against 3.7-5.1; 6,240 rows of 4,096 at k = 5 in 11.4-12.0 against 17-22.

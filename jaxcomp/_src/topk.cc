@@ -31,11 +31,10 @@
 // output's length; the output is one array, or several that lie end to end (a
 // method's runs); with `block`, also each block's largest magnitude (NaN as inf),
 // taken from the sum while it is in cache. One pass that reads each leaf where it
-// lies, on two threads,
-// where XLA:CPU copies a concatenation of more than 8 arrays into a buffer of its
-// own and reads it back for the addition. The second thread inherits the caller's
-// floating-point environment (XLA:CPU's flushes subnormals), so both halves add
-// as XLA does.
+// lies, on two threads, where XLA:CPU copies a concatenation of more than 8 arrays
+// into a buffer of its own and reads it back for the addition. The second thread
+// inherits the caller's floating-point environment (XLA:CPU's flushes
+// subnormals), so both halves add as XLA does.
 //
 // Loaded and registered by jaxcomp/_src/native.py, which compiles this file on
 // first use.
@@ -387,7 +386,9 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
 void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, float* maxima) {
   for (int64_t b = first; b < last; ++b) {
     int32_t top = 0;
-    for (int64_t j = b * block; j < (b + 1) * block; ++j) top = std::max(top, MagnitudeKey(out[j]));
+    for (int64_t j = b * block; j < (b + 1) * block; ++j) {
+      top = std::max(top, MagnitudeKey(out[j]));
+    }
     std::memcpy(maxima + b, &top, sizeof(top));
   }
 }
@@ -403,6 +404,9 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
   }
   // The output is the parts end to end; with `block`, the blocks' maxima follow them.
+  if (block > 0 && results.size() != 2) {
+    return ffi::Error::InvalidArgument("the blocks' maxima need one output, then the maxima");
+  }
   const size_t count = results.size() - (block > 0 ? 1 : 0);
   std::vector<float*> out;
   std::vector<int64_t> starts = {0};
@@ -419,7 +423,7 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     return ffi::Error::InvalidArgument(
         "the outputs must hold the leaves, and the residual be as long as they are or empty");
   }
-  if (block > 0 && (count != 1 || length % block != 0 || starts[2] - starts[1] != length / block)) {
+  if (block > 0 && (length % block != 0 || starts[2] - starts[1] != length / block)) {
     return ffi::Error::InvalidArgument(
         "the blocks' maxima need one output of whole blocks, then one maximum per block");
   }
