@@ -129,6 +129,18 @@ void InParallel(First first, Second second) {
   if (failure) std::rethrow_exception(failure);
 }
 
+// Runs `body(0, count)` here, or, where the work covers `entries` of at least
+// kSplitAbove and there are two items or more, `body(0, count / 2)` here and
+// `body(count / 2, count)` on a second thread.
+template <typename Body>
+void InHalves(int64_t count, int64_t entries, Body body) {
+  if (entries < kSplitAbove || count < 2) {
+    body(0, count);
+  } else {
+    InParallel([&] { body(0, count / 2); }, [&] { body(count / 2, count); });
+  }
+}
+
 std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
   std::vector<int32_t> first;
   if (n < kSplitAbove) {
@@ -325,13 +337,7 @@ ffi::Error TopkPerRowImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32
               keys.data());
     }
   };
-  return Guarded("jaxcomp_topk_per_row", [&] {
-    if (count * width < kSplitAbove || count < 2) {
-      select(0, count);
-    } else {
-      InParallel([&] { select(0, count / 2); }, [&] { select(count / 2, count); });
-    }
-  });
+  return Guarded("jaxcomp_topk_per_row", [&] { InHalves(count, count * width, select); });
 }
 
 ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_from,
@@ -447,16 +453,9 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
   };
   return Guarded("jaxcomp_corrected", [&] {
     if (block > 0) {
-      const int64_t blocks = length / block;
-      if (length < kSplitAbove) {
-        fill_blocks(0, blocks);
-      } else {
-        InParallel([&] { fill_blocks(0, blocks / 2); }, [&] { fill_blocks(blocks / 2, blocks); });
-      }
-    } else if (length < kSplitAbove) {
-      fill(0, length);
+      InHalves(length / block, length, fill_blocks);
     } else {
-      InParallel([&] { fill(0, length / 2); }, [&] { fill(length / 2, length); });
+      InHalves(length, length, fill);
     }
   });
 }
