@@ -1,6 +1,7 @@
 """The native custom calls: the selections (exact_topk's, sampled_topk's, each row's top
-k, the sent mask) and error feedback's corrected gradient, each with the JAX route's
-bits, and everything in JAX wherever the calls cannot be built."""
+k, the sent mask), SparseLoCo's two-level encoding and error feedback's corrected
+gradient, each with the JAX route's bits, and everything in JAX wherever the calls
+cannot be built."""
 
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
 from jaxcomp._src import native
 from jaxcomp._src import selection
+from jaxcomp._src import sparseloco
 from jaxcomp._src import two_hop
 from tests import harness
 
@@ -206,8 +208,9 @@ def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fil
 @pytest.mark.parametrize("name, target, density", [
     ("topk", "jaxcomp_topk", 0.01), ("gtopk", "jaxcomp_topk", 0.01),
     ("dgc", "jaxcomp_sampled_topk", 0.01), ("randomk", "jaxcomp_sent_mask", 0.01),
-    # 9 of each chunk of 4,096: rows wide enough for the per-row call.
-    ("sparseloco", "jaxcomp_topk_per_row", 0.002)])
+    # 9 of each chunk of 4,096: rows wide enough for the per-row call, whose encoding
+    # is then the two-level call's too.
+    ("sparseloco", "jaxcomp_two_level", 0.002)])
 def test_a_method_s_steps_on_8_devices_keep_their_bits(name, target, density, monkeypatch):
   # The exact route from 2,048 entries on, DGC's threshold from 1,024, so that every
   # bucket of this small tree takes them.
@@ -263,6 +266,37 @@ def test_sparseloco_s_wide_rows_select_in_one_per_row_call():
   np.testing.assert_array_equal(np.asarray(select(rows)[1][1]), [0, 3000, 1, 2, 3])
   with pytest.raises(ValueError, match="`k`"):
     native.topk_per_row(rows, 4097)
+
+
+@harness.needs_native
+@hypothesis.given(_rows(), st.sampled_from([1.0, 1e-38]))
+def test_the_two_level_call_gives_sparseloco_s_encoding_bit_for_bit(case, scale):
+  # Codes, uint16 positions, levels, decoded entries and flat positions, against the
+  # JAX route (each row's top k by blocks, by argmax or by lax.top_k); at 1e-38 the
+  # shares of the levels are subnormal, which both flush.
+  rows, k = case
+  rows, k = (rows * np.float32(scale)).astype(np.float32), min(k, rows.shape[1])
+  by_call = jax.jit(lambda r: native.two_level(r, k))(rows)
+  with mock.patch.dict(selection._BY_BACKEND, {"cpu": selection.Tuning(native=False)}):
+    by_jax = jax.jit(lambda r: sparseloco.encoded(r.reshape(-1), r.shape[1], k))(rows)
+  for got, want in zip(by_call, by_jax):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype == np.float32:
+      got, want = got.view(np.uint32), want.view(np.uint32)
+    np.testing.assert_array_equal(got, want)
+
+
+@harness.needs_native
+def test_sparseloco_s_encoding_is_one_call_and_bad_rows_are_refused_by_name():
+  rows = jax.random.normal(jax.random.key(3), (3, 4096))
+  program = jax.jit(lambda r: sparseloco.encoded(r.reshape(-1), 4096, 7)).lower(rows)
+  text = program.compile().as_text()
+  assert text.count('"jaxcomp_two_level"') == 1 and "jaxcomp_topk_per_row" not in text
+  with pytest.raises(ValueError, match="`rows`"):
+    native.two_level(jnp.zeros((1, 2 ** 16 + 1)), 1)
+  with pytest.raises(ValueError, match="`k`"):
+    native.two_level(rows, 4097)
 
 
 @harness.needs_native

@@ -71,6 +71,19 @@ def test_two_bit_codes_round_trip_and_keep_each_side_s_sum_of_magnitudes():
   np.testing.assert_allclose(np.abs(values).sum(axis=1), np.abs(picked).sum(axis=1), rtol=1e-5)
 
 
+def test_a_chunk_s_sums_are_pairwise_in_a_fixed_order():
+  # Pairwise, 1e8 and -1e8 meet first and the two ones survive; left to right, the
+  # first one is lost to 1e8's rounding. An odd last column is carried to the next round.
+  columns = jnp.array([[1e8, 1.0, -1e8, 1.0], [1e8, 1.0, -1e8, 1.0]], jnp.float32)
+  np.testing.assert_array_equal(sparseloco._fold_columns(columns, jnp.add), [2.0, 2.0])
+  odd = jnp.array([[1e8, -1e8, 1.0, 0.5, 0.25]], jnp.float32)
+  # (1e8 + 1, -1e8 + 0.5, 0.25) -> (1e8 - 1e8, 0.25) -> 0.25, where left to right
+  # (and the exact sum) gives 1.75.
+  np.testing.assert_array_equal(sparseloco._fold_columns(odd, jnp.add), [0.25])
+  np.testing.assert_array_equal(
+      sparseloco._fold_columns(jnp.array([[3.0, jnp.nan, 1.0]]), jnp.minimum), [jnp.nan])
+
+
 def test_message_bytes_follow_the_formula():
   # 53 entries in chunks of 16: 4 chunks, k = 4 each: 1 code byte, 8 position bytes, 8 level bytes.
   assert sparseloco.message_bytes(53, 16, 0.25) == 4 * (1 + 8 + 8)

@@ -12,8 +12,9 @@ and gives the same values and indices bit for bit. The other calls of the
 library do the same for Deep Gradient Compression's selection from its
 sampled threshold (:func:`sampled_topk`), for each row's top k
 (:func:`topk_per_row`, SparseLoCo's chunks: about seven kernels by blocks in
-JAX), for error feedback's packed mask of what was sent (:func:`sent_mask`:
-four kernels of a scatter in JAX) and for its corrected gradient
+JAX) and SparseLoCo's encoding of them (:func:`two_level`: about ten small
+kernels a bucket in JAX), for error feedback's packed mask of what was sent
+(:func:`sent_mask`: four kernels of a scatter in JAX) and for its corrected gradient
 (:func:`corrected`: the leaves and the residual read once, where XLA:CPU
 copies the concatenation of more than 8 leaves into a buffer of its own and
 reads it back; the integer codes' block maxima taken in the same pass).
@@ -58,7 +59,7 @@ _SOURCE = pathlib.Path(__file__).with_name("topk.cc")
 # Each custom call's name, and its handler's symbol in the library.
 _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampledTopk",
             "jaxcomp_topk_per_row": "JaxcompTopkPerRow", "jaxcomp_sent_mask": "JaxcompSentMask",
-            "jaxcomp_corrected": "JaxcompCorrected"}
+            "jaxcomp_corrected": "JaxcompCorrected", "jaxcomp_two_level": "JaxcompTwoLevel"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
@@ -254,6 +255,36 @@ def topk_per_row(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return jax.ffi.ffi_call(
       "jaxcomp_topk_per_row",
       (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)),
+      vmap_method="sequential",
+  )(rows.astype(jnp.float32))
+
+
+def two_level(rows: jax.Array, k: int) -> tuple[jax.Array, ...]:
+  """:func:`jaxcomp._src.sparseloco.encode` of each row's top ``k`` by the custom call
+  (CPU only), bit for bit, with the picked entries' positions in the flat rows.
+
+  Args:
+    rows: ``f32[m, w]``, ``w <= 2**16``.
+    k: static, ``1 <= k <= w``.
+
+  Returns:
+    ``(codes uint8 [m, ceil(k / 4)], positions uint16 [m, k], levels f32 [m, 2],
+    values f32 [m, k], flat int32 [m, k])``: ``encode``'s four and the positions
+    as :func:`jaxcomp._src.selection.flat_positions` gives them.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  if rows.ndim != 2 or rows.shape[1] > 2 ** 16:
+    raise ValueError(f"`rows` must be [m, w] with w <= 65536, got shape {rows.shape}")
+  k = checks.check_number(k, "k", integer=True, low=1, high=rows.shape[1])
+  m = rows.shape[0]
+  return jax.ffi.ffi_call(
+      "jaxcomp_two_level",
+      (jax.ShapeDtypeStruct((m, -(-k // 4)), jnp.uint8),
+       jax.ShapeDtypeStruct((m, k), jnp.uint16), jax.ShapeDtypeStruct((m, 2), jnp.float32),
+       jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.int32)),
       vmap_method="sequential",
   )(rows.astype(jnp.float32))
 

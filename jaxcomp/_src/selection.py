@@ -794,17 +794,29 @@ def topk_per_row(rows: jax.Array, k: int,
     raise ValueError(f"`tuning.row_block` must be None or an int >= 1, got {block!r}")
   if not (isinstance(tuning.argmax_k, int) and tuning.argmax_k >= 1):
     raise ValueError(f"`tuning.argmax_k` must be an int >= 1, got {tuning.argmax_k!r}")
-  wide = k > 1 and block is not None and width % block == 0 and width >= 4 * k * block
-  if wide and rows.dtype == jnp.float32 and native_route(tuning):
+  if native_rows(rows, k, tuning):
     return native.topk_per_row(rows, k)
   key = _magnitude_key(rows)
-  if wide:
+  if _wide(width, k, block):
     positions = _topk_per_row_by_blocks(key, k, block)
   elif k <= tuning.argmax_k:
     positions = _topk_per_row_by_argmax(key, k)
   else:
     _, positions = lax.top_k(_as_magnitude(key), k)
   return jnp.take_along_axis(rows, positions, axis=1), positions
+
+
+def _wide(width: int, k: int, block: Optional[int]) -> bool:
+  """Rows of ``width`` are selected from by blocks of ``block`` (:func:`topk_per_row`)."""
+  return k > 1 and block is not None and width % block == 0 and width >= 4 * k * block
+
+
+def native_rows(rows: jax.Array, k: int, tuning: Optional[Tuning] = None) -> bool:
+  """:func:`topk_per_row` of ``rows`` (``[m, w]``) is the native custom call: f32 rows
+  wide enough for the blocks' route, where :func:`native_route` holds."""
+  tuning = tuning_for() if tuning is None else tuning
+  return (_wide(rows.shape[1], k, tuning.row_block) and rows.dtype == jnp.float32
+          and native_route(tuning))
 
 
 # topk_per_row_of_product loops over products of at least this many blocks: a

@@ -21,6 +21,12 @@
 // largest first, the lower position first on a tie, as lax.top_k of the row
 // (jaxcomp/_src/selection.py's topk_per_row, the same positions and values).
 //
+// JaxcompTwoLevel: SparseLoCo's encoding of each row's top k (jaxcomp/_src/sparseloco.py's
+// encode, the same bits): the per-row top k as JaxcompTopkPerRow, then the
+// row's two magnitude levels, its 2-bit codes packed four to a byte, the decoded
+// entries, and their positions in the row (uint16) and in the flat rows (int32),
+// where XLA:CPU made about ten small kernels of those per gradient bucket.
+//
 // JaxcompSentMask: error feedback's packed mask of what was sent
 // (jaxcomp/_src/error_feedback.py's sent_mask, the same bits): bit i % 32 of
 // word i / 32 for each index i in [0, n), and every bit from `sent_from` on.
@@ -340,6 +346,95 @@ ffi::Error TopkPerRowImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32
   return Guarded("jaxcomp_topk_per_row", [&] { InHalves(count, count * width, select); });
 }
 
+// `op` folded over values[0..width), pairwise as jaxcomp/_src/sparseloco.py's
+// _fold_columns: entry i with entry i + width / 2, an odd last entry carried to the
+// next round. Overwrites `values`.
+template <typename T, typename Op>
+T FoldPairwise(T* values, int64_t width, Op op) {
+  while (width > 1) {
+    const int64_t half = width / 2;
+    for (int64_t i = 0; i < half; ++i) values[i] = op(values[i], values[i + half]);
+    if (width % 2) values[half] = values[2 * half];
+    width = half + width % 2;
+  }
+  return values[0];
+}
+
+// XLA's min and max: a NaN operand gives NaN.
+inline float NanMin(float a, float b) { return a != a ? a : b != b ? b : (b < a ? b : a); }
+inline float NanMax(float a, float b) { return a != a ? a : b != b ? b : (b > a ? b : a); }
+
+// One row's two-level code (jaxcomp/_src/sparseloco.py's encode, the same bits) from its
+// k picked entries: the midpoint of their smallest and largest magnitude splits them,
+// each side's level is its mean magnitude, and each entry is a 2-bit code (bit 0 its
+// sign, bit 1 its side), four to a byte, the first in the lowest bits.
+void TwoLevelRow(const float* picked, int64_t k, uint8_t* codes, float* levels, float* values,
+                 float* magnitude, float* scratch) {
+  for (int64_t i = 0; i < k; ++i) magnitude[i] = std::fabs(picked[i]);
+  std::copy(magnitude, magnitude + k, scratch);
+  const float smallest = FoldPairwise(scratch, k, NanMin);
+  std::copy(magnitude, magnitude + k, scratch);
+  const float largest = FoldPairwise(scratch, k, NanMax);
+  // Halves before the sum, shares before the sums, as in the JAX route.
+  const float middle = smallest / 2 + largest / 2;
+  int32_t high_count = 0;
+  for (int64_t i = 0; i < k; ++i) high_count += magnitude[i] >= middle;
+  const int32_t low_count = static_cast<int32_t>(k) - high_count;
+  const float high_share = 1.0f / static_cast<float>(high_count);
+  const float low_share = 1.0f / static_cast<float>(std::max(low_count, 1));
+  for (int64_t i = 0; i < k; ++i) {
+    scratch[i] = magnitude[i] >= middle ? magnitude[i] * high_share : 0.0f;
+  }
+  const float high_level = FoldPairwise(scratch, k, std::plus<float>());
+  for (int64_t i = 0; i < k; ++i) {
+    scratch[i] = magnitude[i] >= middle ? 0.0f : magnitude[i] * low_share;
+  }
+  const float low_sum = FoldPairwise(scratch, k, std::plus<float>());
+  levels[0] = low_count > 0 ? low_sum : high_level;
+  levels[1] = high_level;
+  std::fill(codes, codes + (k + 3) / 4, 0);
+  for (int64_t i = 0; i < k; ++i) {
+    const bool high = magnitude[i] >= middle, negative = picked[i] < 0;
+    codes[i / 4] |= static_cast<uint8_t>((negative | high << 1) << (2 * (i % 4)));
+    const float level = high ? levels[1] : levels[0];
+    values[i] = negative ? -level : level;
+  }
+}
+
+ffi::Error TwoLevelImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::U8> codes,
+                        ffi::ResultBuffer<ffi::U16> positions, ffi::ResultBuffer<ffi::F32> levels,
+                        ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> flat) {
+  const auto dims = rows.dimensions();
+  const auto out_dims = values->dimensions();
+  if (dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != dims[0] ||
+      out_dims[1] < 1 || out_dims[1] > dims[1] ||
+      positions->element_count() != values->element_count() ||
+      flat->element_count() != values->element_count() ||
+      levels->element_count() != 2 * static_cast<size_t>(dims[0]) ||
+      codes->element_count() != static_cast<size_t>(dims[0] * ((out_dims[1] + 3) / 4))) {
+    return ffi::Error::InvalidArgument(
+        "rows must be [m, w]; codes [m, ceil(k / 4)], positions, values and flat [m, k], k in"
+        " [1, w], and levels [m, 2]");
+  }
+  const int64_t count = dims[0], width = dims[1], k = out_dims[1], code_bytes = (k + 3) / 4;
+  const float* data = rows.typed_data();
+  auto encode = [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> keys(k), picked_at(k);
+    std::vector<float> picked(k), magnitude(k), scratch(k);
+    for (int64_t r = begin; r < end; ++r) {
+      RowTopk(data + r * width, width, k, picked.data(), picked_at.data(), keys.data());
+      TwoLevelRow(picked.data(), k, codes->typed_data() + r * code_bytes,
+                  levels->typed_data() + 2 * r, values->typed_data() + r * k,
+                  magnitude.data(), scratch.data());
+      for (int64_t j = 0; j < k; ++j) {
+        positions->typed_data()[r * k + j] = static_cast<uint16_t>(picked_at[j]);
+        flat->typed_data()[r * k + j] = static_cast<int32_t>(r * width + picked_at[j]);
+      }
+    }
+  };
+  return Guarded("jaxcomp_two_level", [&] { InHalves(count, count * width, encode); });
+}
+
 ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_from,
                         ffi::ResultBuffer<ffi::U32> mask) {
   const int64_t words = static_cast<int64_t>(mask->element_count());
@@ -493,6 +588,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSentMask, SentMaskImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkPerRow, TopkPerRowImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTwoLevel, TwoLevelImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
