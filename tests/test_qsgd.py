@@ -1,5 +1,6 @@
 """QSGD against a numpy oracle of its rule, and its statistics (8 fake CPU devices)."""
 
+import chex
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -230,3 +231,26 @@ def test_the_gradient_is_encoded_where_it_lies():
   heaviest = hlo_counts.count(text, n).heaviest
   slices = sum(row[0] for row in heaviest if row[3].endswith("/slice"))
   assert slices < 1.4, heaviest
+
+
+@pytest.mark.parametrize("error_feedback, bucket_cap_mb", [(False, None), (True, 0.0001)])
+def test_one_device_sends_its_payload_as_a_buffer_with_the_same_bits(
+    error_feedback, bucket_cap_mb, monkeypatch):
+  """On one device the first hop's payload is all-gathered, not all-to-all'ed (which
+  XLA drops, fusing the encoding into both readers of the chunk's mean, each
+  drawing the rounding again): the same mean, residual and key either way."""
+  params = {"w": jnp.zeros((40, 30)), "b": jnp.zeros((7,)), "c": jnp.zeros((9, 9))}
+  codec = qsgd._codec
+
+  def run(draws):
+    monkeypatch.setattr(qsgd, "_codec", lambda *a: codec(*a)._replace(draws=draws))
+    runs = harness.run_two_steps(
+        lambda axis: jaxcomp.qsgd(LEVELS, axis, bucket_size=BUCKET,
+                                  error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
+        params, 1, ("data",))
+    buckets = len(jax.tree.leaves(runs["states"][0].residual)) if error_feedback else 1
+    # The second hop's all-gather in each bucket, and the first's where it draws.
+    assert runs["compiled"].as_text().count(" all-gather(") == buckets * (1 + draws)
+    return runs["outs"], runs["states"]
+
+  chex.assert_trees_all_equal(run(True), run(False))

@@ -106,7 +106,7 @@ def _codec(levels: int, block: int, key, device) -> two_hop.Codec:
     return (norms[..., None] / levels * steps).reshape(level.shape)
 
   return two_hop.Codec(encode, decode, _payload_bytes,
-                       lambda x, norms: decode(encode(x, 0, norms)[0], norms))
+                       lambda x, norms: decode(encode(x, 0, norms)[0], norms), draws=True)
 
 
 def _payload_bytes(entries: int) -> int:
