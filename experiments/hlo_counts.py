@@ -198,38 +198,48 @@ def _read(param: _Instruction, users: dict, full: int) -> int:
   """Bytes of ``param`` a fusion reads: the slices it ends in, else all of it.
 
   Element-wise ops between the parameter and a slice (a convert, an add with
-  another operand of the same size) are computed on the slice only; a
-  ``broadcast`` on the way (a block's scale spread over its entries) reads
-  one element of ``param`` per element it repeats, so a slice after it reads
-  the slice's share of ``param``.
+  another operand of the same size) are computed on the slice only, and so is
+  what follows a slice, down to the next slice (a token of one element taken
+  from a whole message reads that element); a ``broadcast`` on the way (a
+  block's scale spread over its entries) reads one element of ``param`` per
+  element it repeats, so a slice after it reads the slice's share of ``param``.
   """
   elements = _elements(param.shape)
   if elements == 0:
     return 0
   per_element = full / elements
-  # (instruction, elements of ``param`` per element of it)
-  read, frontier, seen = 0.0, [(param, 1.0)], set()
+  # (instruction, elements of ``param`` per element of it, the most elements of
+  # ``param`` it holds, whether a slice took it)
+  read, frontier, seen = 0.0, [(param, 1.0, float(elements), False)], set()
   while frontier:
-    current, ratio = frontier.pop()
+    current, ratio, most, sliced = frontier.pop()
     size = _elements(current.shape)
+    followed = []
     for user in users.get(current.name, []):
-      if user.name in seen:
-        continue
-      seen.add(user.name)
       if user.op in _SLICES:
-        read += _elements(user.shape) * ratio * per_element
+        followed.append((user, ratio, min(most, _elements(user.shape) * ratio), True))
       elif user.op == "broadcast" and user.operands == [current.name]:
-        frontier.append((user, ratio * size / max(1, _elements(user.shape))))
+        followed.append((user, ratio * size / max(1, _elements(user.shape)), most, sliced))
       elif user.op == "concatenate":
         # An element of the concatenation is one element of one operand, and
         # a slice of it is computed on the slice: at most the slice is read.
-        frontier.append((user, ratio))
+        followed.append((user, ratio, most, sliced))
       elif _elements(user.shape) == size and user.op not in _IN_PLACE:
-        frontier.append((user, ratio))  # element-wise: follow it to what it feeds
+        followed.append((user, ratio, most, sliced))  # element-wise: follow it
       else:
+        followed = None  # a reduction, say: all of ``current`` is read
+        break
+    if followed is None or (not followed and current is not param):
+      # Read whole here (or the fusion's output, which an element-wise chain
+      # computes whole): all of the parameter, unless a slice took it first.
+      if not sliced:
         return full
-    if not users.get(current.name) and current is not param:
-      return full  # an element-wise chain that is the fusion's output
+      read += min(size * ratio, most) * per_element
+      continue
+    for user, *rest in followed:
+      if user.name not in seen:
+        seen.add(user.name)
+        frontier.append((user, *rest))
   return int(read)
 
 

@@ -39,6 +39,22 @@ def test_a_slice_reads_only_the_slice(x):
   chex.assert_trees_all_close(counts.passes, 0.5)
 
 
+def test_one_element_taken_from_a_slice_reads_that_element(x):
+  """What follows a slice is computed on it, down to the next slice: a scalar taken
+  from a decoded part of ``m`` (the token that orders one bucket after the one
+  before) reads one element of it, not the part; ``v`` is read and written whole."""
+
+  def fn(v, m):
+    token = (m[: N // 2].astype(jnp.float32) * 3)[0] * 0
+    return v * 2 + token
+
+  message = jnp.ones(N, jnp.int8)
+  text = jax.jit(fn).lower(x, message).compile().as_text()
+  counts = hlo_counts.count(text, N)
+  assert counts.kernels == 1, text
+  chex.assert_trees_all_close(counts.passes, 2.0, atol=1e-3)
+
+
 def test_a_row_reduction_reads_every_row(x):
   # Packing a mask into words (as the selection's compaction does) is a loop
   # fusion whose 1/32-sized output reads the whole input.
