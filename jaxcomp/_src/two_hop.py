@@ -129,7 +129,7 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int, chunk: int,
     # readers of the chunk's mean (its scales and its second encoding), drawing
     # every entry's first rounding twice. The payload all-gathered (the scales
     # need no exchange) stays a buffer, as the exchange of P > 1 devices is (QSGD
-    # on ResNet-50, one CPU device: 146-154 ms against 122-133, dense 119-123, in
+    # on ResNet-50, one CPU device: 149-154 ms against 123-133, dense 119-123, in
     # one process).
     received = collectives.allgather(ctx.ordered(payload_rows[0]), ctx.axes), sent_scales
   else:
