@@ -323,13 +323,18 @@ void RowTopk(const float* row, int64_t width, int64_t k, float* values, int32_t*
   for (int64_t j = 0; j < k; ++j) values[j] = row[positions[j]];
 }
 
+// Whether `rows` is [m, w] and `out` [m, k] with k in [1, w]: each row's k picked entries.
+template <typename Dims>
+bool PerRow(const Dims& rows, const Dims& out) {
+  return rows.size() == 2 && out.size() == 2 && out[0] == rows[0] && out[1] >= 1 &&
+         out[1] <= rows[1];
+}
+
 ffi::Error TopkPerRowImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> values,
                           ffi::ResultBuffer<ffi::S32> positions) {
   const auto dims = rows.dimensions();
   const auto out_dims = values->dimensions();
-  if (dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != dims[0] ||
-      out_dims[1] < 1 || out_dims[1] > dims[1] ||
-      positions->element_count() != values->element_count()) {
+  if (!PerRow(dims, out_dims) || positions->element_count() != values->element_count()) {
     return ffi::Error::InvalidArgument("rows must be [m, w] and the outputs [m, k], k in [1, w]");
   }
   const int64_t count = dims[0], width = dims[1], k = out_dims[1];
@@ -406,9 +411,7 @@ ffi::Error TwoLevelImpl(ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::U8> c
                         ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> flat) {
   const auto dims = rows.dimensions();
   const auto out_dims = values->dimensions();
-  if (dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != dims[0] ||
-      out_dims[1] < 1 || out_dims[1] > dims[1] ||
-      positions->element_count() != values->element_count() ||
+  if (!PerRow(dims, out_dims) || positions->element_count() != values->element_count() ||
       flat->element_count() != values->element_count() ||
       levels->element_count() != 2 * static_cast<size_t>(dims[0]) ||
       codes->element_count() != static_cast<size_t>(dims[0] * ((out_dims[1] + 3) / 4))) {
