@@ -24,6 +24,10 @@ milliseconds). From the text of ``jax.jit(f).lower(...).compile()``:
   alone; XLA:GPU also one that reads it by a ``dynamic-slice`` with the
   write's own start and shape (``backend="gpu"``). Any other read of the
   buffer (a static ``slice`` included) makes the kernel copy all of it.
+  A custom call whose output aliases an operand
+  (``output_to_operand_aliasing``) writes over it in place and counts it as
+  written, not read: jaxcomp's one such call
+  (:func:`jaxcomp._src.native.lowrank_residual`) reads nothing of it.
 
 Example::
 
@@ -48,6 +52,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT )?(%?[\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$")
 _OPERAND = re.compile(r"%[\w.\-]+")
+_ALIASED = re.compile(r"output_to_operand_aliasing=\{\{\}: \((\d+), \{\}\)\}")
 
 
 class Counts(NamedTuple):
@@ -322,7 +327,10 @@ def _weights(name: str, computations: dict, n: int, stack: tuple,
       update = instruction.operands[1 if instruction.op == "dynamic-update-slice" else -1]
       moved = sizes.get(update, 0) + sum(sizes.get(o, 0) for o in instruction.operands[1:])
     else:
-      moved = _bytes(instruction.shape) + sum(sizes.get(o, 0) for o in instruction.operands)
+      aliased = _ALIASED.search(instruction.attributes or "")
+      written_over = int(aliased.group(1)) if aliased else -1
+      moved = _bytes(instruction.shape) + sum(
+          sizes.get(o, 0) for i, o in enumerate(instruction.operands) if i != written_over)
     weights.append((moved / (4 * n), instruction.op, source(instruction)))
   return weights
 

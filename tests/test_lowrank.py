@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import bench_compression
 from experiments import hlo_counts
 from experiments import shapes
 from jaxcomp._src import dense as dense_lib
@@ -36,6 +37,13 @@ FACTORIES = {
     "acpsgd": lambda axis: lowrank.acpsgd(RANK, axis),
 }
 MESHES = {"1d": (8, ("data",)), "2x4": ((2, 4), ("x", "y"))}
+
+
+@pytest.fixture
+def xla_route(monkeypatch):
+  """The products, orthonormalisations and residual in XLA: the route of GPUs and of a CPU
+  without the custom calls (on CPU the calls take them where they are built)."""
+  monkeypatch.setattr(lowrank, "_native", lambda view: False)
 
 
 def _leaf(tree, path):
@@ -462,7 +470,8 @@ ALIKE = {f"w{i}": jnp.zeros((16, 12)) for i in range(4)}
     (ALIKE, 2, 1),
     ({**ALIKE, "long": jnp.zeros((400, 12))}, 3, 2),  # 400-row columns: a batch alone
 ], ids=["alike", "one_long"])
-def test_acpsgd_orthonormalises_the_buckets_in_a_few_batches(params, buckets, batches):
+def test_acpsgd_orthonormalises_the_buckets_in_a_few_batches(params, buckets, batches,
+                                                             xla_route):
   """After the last exchange, one Gram-Schmidt of ``r`` norms per batch of buckets whose
   columns are about as long, not one per bucket (PowerSGD's, which the next product
   waits for, is one per bucket)."""
@@ -502,7 +511,7 @@ WIDE = {"a": jnp.zeros((64, 128)), **{f"b{i}": jnp.zeros((32, 64)) for i in rang
         "c": jnp.zeros((16, 128)), "bias": jnp.zeros((64,))}
 
 
-def test_the_residual_is_written_in_rows_in_place():
+def test_the_residual_is_written_in_rows_in_place(xla_route):
   """On CPU the residual's groups (``[count, rows, cols]`` pieces of ``M - P Q^T``) are
   written over the old residual in place, in rows of 64 entries of it: the conditional
   that keeps the step takes the buffer as ``[n / 64, 64]``, and no kernel copies it."""
@@ -524,7 +533,7 @@ def test_the_residual_is_written_in_rows_in_place():
 
 
 @pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
-def test_rows_write_the_residual_of_the_flat_write(name, monkeypatch):
+def test_rows_write_the_residual_of_the_flat_write(name, monkeypatch, xla_route):
   """The residual, the factors and the mean after two steps on 8 devices, written in rows
   of 64 and, with rows of one entry, flat: the same values (within a float tolerance:
   the kernels that write them are other loops)."""
@@ -546,3 +555,83 @@ def test_row_width():
   assert fusion._row_width(1 << 20, (0, 4100), [(1, 64, 64), (3, 512, 2048)]) == 4
   assert fusion._row_width(1 << 20 | 1, (0, 4096), [(1, 64, 64)]) == 1
   assert fusion._row_width(1 << 20, (0, 4096), [(4096,), (512,)]) == 1
+
+
+# Twelve matrices of three shapes and a bias: at 0.03 MiB, two buckets of two shapes each.
+MANY = {**{f"a{i}": jnp.zeros((40, 24)) for i in range(5)},
+        **{f"b{i}": jnp.zeros((3, 3, 8, 16)) for i in range(5)},
+        "c0": jnp.zeros((64, 32)), "c1": jnp.zeros((64, 32)), "bias": jnp.zeros((24,))}
+
+
+def _within(got, want, k=1024):
+  """Each leaf of ``got`` within ``k`` float32 eps of its largest ``|want|`` (golden's
+  rule for the low-rank methods: the two routes sum in other orders)."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g), np.asarray(w)
+    if not np.issubdtype(w.dtype, np.floating):
+      np.testing.assert_array_equal(g, w)
+      continue
+    bound = k * np.finfo(np.float32).eps * np.max(np.abs(w), initial=0.0)
+    assert np.max(np.abs(g - w), initial=0.0) <= bound, (np.max(np.abs(g - w)), bound)
+
+
+@harness.needs_native
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_cold", "acpsgd"])
+@pytest.mark.parametrize("mesh_name", ["1d", "2x4"])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.03])
+def test_the_custom_calls_give_the_xla_route_s_steps(name, mesh_name, bucket_cap_mb,
+                                                       monkeypatch):
+  """Two steps on 8 devices (ring and torus, one bucket and two), the products,
+  orthonormalisations and residual by the custom calls and by XLA: the means and every
+  device's state agree within the golden file's tolerance."""
+  config = dict(warm_start=False) if name == "powersgd_cold" else {}
+  factory = getattr(lowrank, name.split("_")[0])
+
+  def run():
+    return harness.run_two_steps(
+        lambda axis: factory(RANK, axis, bucket_cap_mb=bucket_cap_mb, **config), MANY,
+        *MESHES[mesh_name])
+
+  by_calls = run()
+  text = by_calls["compiled"].as_text()
+  assert "jaxcomp_lowrank_product" in text and " dot(" not in text
+  monkeypatch.setattr(lowrank, "_native", lambda view: False)
+  by_xla = run()
+  assert "jaxcomp_lowrank_product" not in by_xla["compiled"].as_text()
+  _within(by_calls["outs"], by_xla["outs"])
+  _within(by_calls["rows"][1:], by_xla["rows"][1:])
+  assert np.asarray(by_calls["rows"][2].residual["a0"]).any()
+
+
+@harness.needs_native
+@pytest.mark.parametrize("factory, form, calls", [
+    # (products, factor columns, residuals) per bucket
+    (lowrank.powersgd, None, (2, 2, 1)),
+    (lowrank.acpsgd, 0, (1, 1, 1)),
+    (lowrank.acpsgd, 1, (1, 1, 1)),
+    (lowrank.acpsgd, None, (2, 2, 1)),  # both forms in one program: a branch each
+])
+def test_on_cpu_a_bucket_is_a_few_custom_calls_and_its_residual_is_written_in_place(
+    factory, form, calls):
+  """Each bucket's products, factor columns and residual are one custom call each (the
+  P step renews P alone, the Q step Q alone), the residual's call writes over the donated
+  residual (it aliases it), and no kernel copies a residual."""
+  mesh = training.make_mesh(1)
+  build = functools.partial(factory, RANK, "data", bucket_cap_mb=0.03)
+  buckets = protocol.spec(build()).fused.plan(MANY)
+  assert len(buckets) == 2
+  tx = build() if form is None else bench_compression.in_form(build, form)
+  state = training.init_state(tx, MANY, mesh, "data")
+  grads = training.stack_per_device(MANY, mesh, "data")
+  update = training.make_update(tx, mesh, "data", donate=True)
+  text = update.lower(grads, state).compile().as_text()
+  targets = ("jaxcomp_lowrank_product", "jaxcomp_factor_columns", "jaxcomp_lowrank_residual")
+  assert tuple(text.count(f'custom_call_target="{t}"') for t in targets) == tuple(
+      2 * c for c in calls)
+  residual_calls = [line for line in text.splitlines()
+                    if 'custom_call_target="jaxcomp_lowrank_residual"' in line]
+  assert all("output_to_operand_aliasing={{}: (0, {})}" in line for line in residual_calls)
+  sizes = {b.size for b in buckets}
+  copies = [line for line in text.splitlines()
+            if " copy(" in line and any(f"f32[{n}]" in line for n in sizes)]
+  assert not copies, copies

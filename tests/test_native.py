@@ -3,6 +3,7 @@ k, the sent mask), SparseLoCo's two-level encoding and error feedback's correcte
 gradient, each with the JAX route's bits, and everything in JAX wherever the calls
 cannot be built."""
 
+import math
 import subprocess
 import sys
 from unittest import mock
@@ -20,6 +21,7 @@ from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
+from jaxcomp._src import lowrank
 from jaxcomp._src import native
 from jaxcomp._src import selection
 from jaxcomp._src import sparseloco
@@ -449,6 +451,10 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
     name, config, bucket_cap_mb, monkeypatch):
   # quantized and sparseloco pad the bucket (to whole blocks, to whole chunks). One
   # call: the one bucket's, or the first bucket's (the second's 3 leaves fuse in XLA).
+  # The low-rank products, orthonormalisations and residual by XLA on both routes
+  # (their calls sum in another order: tests/test_lowrank.py compares them).
+  monkeypatch.setattr(lowrank, "_native", lambda view: False)
+
   def run(native_route):
     monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
     runs = harness.run_two_steps(
@@ -560,3 +566,211 @@ def test_under_vmap_each_row_selects_its_own():
   for row, values, indices in zip(rows, *by_call):
     np.testing.assert_array_equal(indices, np.sort(harness.np_topk(row, 12)))
     np.testing.assert_array_equal(values, row[indices])
+
+
+# ------------------------------------------------------------------- low rank
+
+@st.composite
+def _lowrank_cases(draw):
+  groups = draw(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40)),
+                         min_size=1, max_size=3))
+  rank = draw(st.integers(1, 5))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+  def entries(n):
+    # Magnitudes in [0.25, 4) of either sign, a tenth of them zero: far from the
+    # subnormals, whose products XLA:CPU's calls flush.
+    x = rng.uniform(0.25, 4, n) * rng.choice([-1.0, 1.0], n) * (rng.random(n) > 0.1)
+    return x.astype(np.float32)
+
+  runs = [entries(g * m * n).astype(np.float32) for g, m, n in groups]
+  matrices = [m for run, (g, rows, cols) in zip(runs, groups)
+              for m in run.reshape(g, rows, cols)]
+  return groups, rank, runs, matrices, entries
+
+
+def _unit_factor(column):
+  top = np.max(np.abs(column).view(np.int32), initial=0)
+  return np.int32(np.clip(254 - (top >> 23), 1, 254) << 23).view(np.float32)
+
+
+def _left_reference(m, f):
+  """``m f`` summed as the call sums: 8 interleaved f32 sums joined pairwise, then the tail."""
+  rows, cols = m.shape
+  products = m[:, None, :] * f.T[None, :, :]
+  whole = cols - cols % 8
+  lanes = np.zeros((rows, f.shape[1], 8), np.float32)
+  for k in range(0, whole, 8):
+    lanes += products[:, :, k:k + 8]
+  tail = np.zeros((rows, f.shape[1]), np.float32)
+  for k in range(whole, cols):
+    tail += products[:, :, k]
+  joined = (((lanes[..., 0] + lanes[..., 1]) + (lanes[..., 2] + lanes[..., 3]))
+            + ((lanes[..., 4] + lanes[..., 5]) + (lanes[..., 6] + lanes[..., 7])))
+  return joined + tail
+
+
+def _right_reference(m, f):
+  """``m^T f`` summed over the rows in order, in f32."""
+  total = np.zeros((m.shape[1], f.shape[1]), np.float32)
+  for i in range(m.shape[0]):
+    total += m[i][:, None] * f[i][None, :]
+  return total
+
+
+def _product_reference(matrices, factor, scales, rank, transposed, unit):
+  out, offset = [], 0
+  for m, scale in zip(matrices, scales):
+    n = m.shape[0] if transposed else m.shape[1]
+    f = factor[offset:offset + n * rank].reshape(n, rank).copy()
+    offset += n * rank
+    if unit:
+      f = f * np.asarray([_unit_factor(f[:, j]) for j in range(rank)], np.float32)
+    f = f * np.float32(scale)
+    out.append((_right_reference(m, f) if transposed else _left_reference(m, f)).reshape(-1))
+  return np.concatenate(out)
+
+
+@harness.needs_native
+@hypothesis.given(_lowrank_cases(), st.booleans(), st.booleans())
+def test_the_lowrank_product_call_sums_in_its_stated_order(case, transposed, unit):
+  groups, rank, runs, matrices, entries = case
+  inner = sum(m.shape[0] if transposed else m.shape[1] for m in matrices) * rank
+  factor = entries(inner) * np.float32(1e20 if unit else 1.0)  # `unit` brings it back
+  scales = [2.0 ** (i % 3 - 1) for i in range(len(matrices))]
+  dense = entries(5)
+  got = jax.jit(lambda runs, factor, dense: native.lowrank_product(
+      runs, factor, scales, dense, groups, rank, transposed=transposed, unit=unit))(
+          runs, factor, dense)
+  want = np.concatenate([_product_reference(matrices, factor, scales, rank, transposed, unit),
+                         dense])
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+
+
+def _columns_reference(factor, lengths, rank, old, scales, orthonormalize):
+  """The factor column by column as the call takes it: scaled where finite, refilled,
+  then modified Gram-Schmidt in float64, each sum in order."""
+  out, offset = factor.copy(), 0
+  for a, n in enumerate(lengths):
+    done = []
+    for j in range(rank):
+      column = factor[offset + j:offset + n * rank:rank].copy()
+      if scales is not None and np.all(np.isfinite(column * np.float32(scales[a]))):
+        column = column * np.float32(scales[a])
+      if old is not None and np.all(column == 0):
+        column = old[offset + j:offset + n * rank:rank].copy()
+      if orthonormalize:
+        values = [float(x) for x in column]
+        for before in done:
+          dot = 0.0
+          for b, v in zip(before, values):
+            dot += b * v
+          values = [v - dot * b for v, b in zip(values, before)]
+        square = 0.0
+        for v in values:
+          square += v * v
+        norm = math.sqrt(square)
+        values = [v / (1.0 if norm == 0.0 else norm) for v in values]
+        done.append(values)
+        column = np.asarray(values, np.float64).astype(np.float32)
+      out[offset + j:offset + n * rank:rank] = column
+    offset += n * rank
+  return out
+
+
+@harness.needs_native
+@hypothesis.given(_lowrank_cases(), st.booleans(), st.booleans(), st.booleans(), st.data())
+def test_the_factor_columns_call_follows_its_stated_steps(case, refill, scaled, orthonormalize,
+                                                          data):
+  groups, rank, _, matrices, entries = case
+  lengths = [m.shape[data.draw(st.integers(0, 1))] for m in matrices]
+  size = sum(lengths) * rank
+  factor = entries(size)
+  zero = data.draw(st.integers(0, rank - 1))  # one column of the first factor all zero
+  factor[zero:lengths[0] * rank:rank] = 0.0
+  factor[-1] = data.draw(st.sampled_from([1.0, np.inf, np.nan, 3e38]))
+  old = entries(size) if refill else None
+  scales = [2.0 ** (i % 5 - 2) for i in range(len(lengths))] if scaled else None
+  got = jax.jit(lambda f, o: native.factor_columns(
+      f, lengths, rank, old=o, scales=scales, orthonormalize=orthonormalize))(factor, old)
+  want = _columns_reference(factor, lengths, rank, old, scales, orthonormalize)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+
+
+@harness.needs_native
+@hypothesis.given(_lowrank_cases(), st.integers(0, 7))
+def test_the_lowrank_residual_call_writes_m_minus_p_q_t_over_the_buffer_s_start(case, tail):
+  groups, rank, runs, matrices, entries = case
+  p = entries(sum(m.shape[0] for m in matrices) * rank)
+  q = entries(sum(m.shape[1] for m in matrices) * rank)
+  buffer = entries(sum(m.size for m in matrices) + tail)
+  got = jax.jit(lambda b, runs, p, q: native.lowrank_residual(b, runs, p, q, groups, rank),
+                donate_argnums=0)(jnp.asarray(buffer), runs, p, q)
+  want, p_at, q_at = [], 0, 0
+  for m in matrices:
+    rows, cols = m.shape
+    pm = p[p_at:p_at + rows * rank].reshape(rows, rank)
+    qm = q[q_at:q_at + cols * rank].reshape(cols, rank)
+    p_at, q_at = p_at + rows * rank, q_at + cols * rank
+    total = pm[:, None, 0] * qm[None, :, 0]
+    for j in range(1, rank):
+      total = total + pm[:, None, j] * qm[None, :, j]
+    want.append((m - total).reshape(-1))
+  want = np.concatenate(want + [buffer[buffer.size - tail:]])
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+
+
+@harness.needs_native
+def test_the_lowrank_calls_two_threads_meet_exactly():
+  # 1.2M entries: each call splits its rows (columns) between two threads at the
+  # half of its work; the sums are the one-thread order's.
+  groups, rank = [(1, 5, 7), (2, 600, 1000)], 3
+  rng = np.random.default_rng(0)
+  runs = [rng.standard_normal(g * m * n).astype(np.float32) for g, m, n in groups]
+  matrices = [m for run, (g, rows, cols) in zip(runs, groups)
+              for m in run.reshape(g, rows, cols)]
+  for transposed in (False, True):
+    inner = sum(m.shape[0] if transposed else m.shape[1] for m in matrices) * rank
+    factor = rng.standard_normal(inner).astype(np.float32)
+    got = native.lowrank_product(runs, jnp.asarray(factor), [1.0] * 3, jnp.zeros(0), groups,
+                                 rank, transposed=transposed)
+    want = _product_reference(matrices, factor, [1.0] * 3, rank, transposed, False)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+  p = rng.standard_normal(sum(m.shape[0] for m in matrices) * rank).astype(np.float32)
+  q = rng.standard_normal(sum(m.shape[1] for m in matrices) * rank).astype(np.float32)
+  got = np.asarray(native.lowrank_residual(jnp.zeros(sum(m.size for m in matrices)), runs,
+                                           jnp.asarray(p), jnp.asarray(q), groups, rank))
+  at, p_at, q_at = 0, 0, 0
+  for m in matrices:
+    rows, cols = m.shape
+    pm = p[p_at:p_at + rows * rank].reshape(rows, rank)
+    qm = q[q_at:q_at + cols * rank].reshape(cols, rank)
+    total = pm[:, None, 0] * qm[None, :, 0]
+    for j in range(1, rank):
+      total = total + pm[:, None, j] * qm[None, :, j]
+    np.testing.assert_array_equal(got[at:at + m.size].view(np.uint32),
+                                  (m - total).reshape(-1).view(np.uint32))
+    at, p_at, q_at = at + m.size, p_at + rows * rank, q_at + cols * rank
+
+
+@harness.needs_native
+def test_the_lowrank_calls_refuse_what_does_not_fit_by_name():
+  runs, groups = [jnp.zeros(12)], [(1, 3, 4)]
+  with pytest.raises(ValueError, match="`groups`"):
+    native.lowrank_product(runs, jnp.zeros(8), [1.0], jnp.zeros(0), [(1, 3)], 2)
+  with pytest.raises(ValueError, match="`rank`"):
+    native.lowrank_product(runs, jnp.zeros(8), [1.0], jnp.zeros(0), groups, 0)
+  with pytest.raises(ValueError, match="one run per group"):
+    native.lowrank_product(runs * 2, jnp.zeros(8), [1.0], jnp.zeros(0), groups, 2)
+  with pytest.raises(ValueError, match="`factor`"):
+    native.lowrank_product(runs, jnp.zeros(6), [1.0], jnp.zeros(0), groups, 2)
+  with pytest.raises(ValueError, match="`scales`"):
+    native.lowrank_product(runs, jnp.zeros(8), [1.0, 2.0], jnp.zeros(0), groups, 2)
+  with pytest.raises(ValueError, match="`lengths`"):
+    native.factor_columns(jnp.zeros(8), [4, 0], 2)
+  with pytest.raises(ValueError, match="`factor`"):
+    native.factor_columns(jnp.zeros(7), [4], 2)
+  with pytest.raises(ValueError, match="`scales`"):
+    native.factor_columns(jnp.zeros(8), [4], 2, scales=[1.0, 1.0])
+  with pytest.raises(ValueError, match="`buffer`"):
+    native.lowrank_residual(jnp.zeros(11), runs, jnp.zeros(6), jnp.zeros(8), groups, 2)

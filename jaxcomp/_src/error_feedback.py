@@ -93,10 +93,10 @@ def zeroed(corrected: jax.Array, indices: jax.Array) -> jax.Array:
   return zero_sent(sent_mask(corrected.shape[0], indices), corrected)
 
 
-Kept = Union[jax.Array, Sequence[Optional[jax.Array]], fusion.Pieces]
+Kept = Union[jax.Array, Sequence[Optional[jax.Array]], fusion.Pieces, fusion.Rewrite]
 
 
-def absorb(bucket: fusion.Bucket, kept: Kept) -> Union[jax.Array, fusion.Pieces]:
+def absorb(bucket: fusion.Bucket, kept: Kept) -> Union[jax.Array, fusion.Pieces, fusion.Rewrite]:
   """The bucket's new residual: ``f32[bucket.size]``, or the :class:`jaxcomp.protocol.Pieces`
   of it that change, written over the old residual by :func:`jaxcomp._src.fusion.overwrite`.
 
@@ -105,9 +105,10 @@ def absorb(bucket: fusion.Bucket, kept: Kept) -> Union[jax.Array, fusion.Pieces]
     kept: ``f32[bucket.size]``, what stays behind (``corrected - sent``);
       or one array per bucket leaf (any shape of the leaf's size), ``None``
       for a leaf whose residual stays as it is (one the method sends
-      exactly); or :class:`jaxcomp.protocol.Pieces`.
+      exactly); or :class:`jaxcomp.protocol.Pieces`, or a
+      :class:`jaxcomp._src.fusion.Rewrite` of the old residual.
   """
-  if isinstance(kept, fusion.Pieces):
+  if isinstance(kept, (fusion.Pieces, fusion.Rewrite)):
     return kept
   if not isinstance(kept, (list, tuple)):
     return kept.reshape(-1)

@@ -193,12 +193,22 @@ class Pieces(NamedTuple):
   values: tuple[jax.Array, ...]
 
 
+class Rewrite(NamedTuple):
+  """A flat buffer's new value made from the old one by ``write`` (``f32[n] -> f32[n]``),
+  a kernel that takes the buffer in place (a custom call that aliases it): written
+  as :class:`Pieces` are, with no copy of the buffer around it.
+  """
+
+  write: Callable[[jax.Array], jax.Array]
+
+
 def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Array:
   """``old`` (``f32[n]``) with ``new`` written over it where the bool scalar ``keep`` holds.
 
   ``new``: ``f32[n]``; or :class:`Pieces`, each written by one
   ``dynamic-update-slice`` over its span of a donated ``old`` in place (no
-  concatenation of the pieces into a new buffer); or a function of no
+  concatenation of the pieces into a new buffer); or a :class:`Rewrite`
+  of the flat buffer; or a function of no
   arguments that returns either, called where the value is written. With
   ``keep``, on CPU the pieces, and a function's whole computation, sit in a
   conditional (without a collective) that writes them only where ``keep``
@@ -230,6 +240,8 @@ def _value(new):
 def _written(buffer: jax.Array, new) -> jax.Array:
   """``new`` written over ``buffer``: ``f32[n]``, or its ``[n / w, w]`` view in which each
   piece is whole rows (:func:`_row_width`)."""
+  if isinstance(new, Rewrite):
+    return new.write(buffer)
   if not isinstance(new, Pieces):
     return new
   row = buffer.shape[1:]  # () for the flat buffer
@@ -286,6 +298,8 @@ def _written_in_branch(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
 
 def _written_selected(buffer: jax.Array, new, keep: jax.Array) -> jax.Array:
   new = _value(new)
+  if isinstance(new, Rewrite):
+    return jnp.where(keep, new.write(buffer), buffer)
   if not isinstance(new, Pieces):
     return jnp.where(keep, new, buffer)
   # XLA:GPU writes a span in place only when the kernel reads nothing else of

@@ -45,7 +45,9 @@ import optax
 from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import fusion
+from jaxcomp._src import native
 from jaxcomp._src import protocol
+from jaxcomp._src import selection
 from jaxcomp._src import wire
 
 
@@ -167,6 +169,11 @@ class MatrixView:
     :meth:`columns`."""
     counts = [g for g, _, _ in self.groups]
     return np.repeat(np.asarray(values, np.float32), counts).reshape(-1, 1, 1)
+
+  def lengths(self, factor: str) -> list[int]:
+    """Each compressed leaf's ``P`` (``factor="p"``: its rows) or ``Q`` (its columns)
+    length, in the order of :attr:`lowrank`."""
+    return [rows if factor == "p" else cols for g, rows, cols in self.groups for _ in range(g)]
 
   def length(self, factors: str = "pq") -> int:
     """The longest column of the ``P`` (``"p"``), ``Q`` (``"q"``) or both (``"pq"``) factors."""
@@ -369,9 +376,9 @@ def _products(p_factors, q_factors) -> list[jax.Array]:
 
 
 def _transposed_products(view: MatrixView, matrices: list[jax.Array],
-                         p_factors: list[jax.Array], headroom: list[float]) -> jax.Array:
-  """``M^T (P / h)`` of every group (``[count, rows, cols]`` and ``[count, rows, r]``
-  batches and ``P``'s headroom ``h`` in), as the flat ``Q`` buffer.
+                         p_factors: list[jax.Array], scale: list[float]) -> jax.Array:
+  """``M^T (P s)`` of every group (``[count, rows, cols]`` and ``[count, rows, r]``
+  batches and the groups' scales ``s`` in), as the flat ``Q`` buffer.
 
   Formed as ``P^T M`` (``[count, r, cols]``) behind an optimisation barrier,
   and the groups' products laid out as ``Q`` by one gather
@@ -381,8 +388,68 @@ def _transposed_products(view: MatrixView, matrices: list[jax.Array],
   ResNet-50's matrices at rank 4).
   """
   return view.untransposed(_join(
-      [lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p * (1 / h)))
-       for m, p, h in zip(matrices, p_factors, headroom)]), "q")
+      [lax.optimization_barrier(jnp.einsum("gmn,gmr->grn", m, p * s))
+       for m, p, s in zip(matrices, p_factors, scale)]), "q")
+
+
+def _native(view: MatrixView) -> bool:
+  """The bucket's products and orthonormalisations are the custom calls of
+  :mod:`jaxcomp._src.native` (where :func:`jaxcomp._src.selection.native_route` holds)."""
+  return bool(view.groups) and selection.native_route()
+
+
+def _product(view: MatrixView, runs: tuple[jax.Array, ...], factor: jax.Array,
+             scale: list[float], dense: Optional[jax.Array] = None, *, transposed: bool = False,
+             unit: bool = False) -> jax.Array:
+  """Every compressed matrix times its factor, as one flat factor buffer, then ``dense``.
+
+  ``M_i (F_i s)`` (``F``: the flat ``Q`` buffer), or with ``transposed``
+  ``M_i^T (F_i s)`` (``F``: the flat ``P`` buffer), ``s`` the group's
+  ``scale`` (a power of two), each column first brought to ``[1, 2)`` by
+  :func:`jaxcomp._src.binade.unit_factor` of its largest magnitude where
+  ``unit`` is set. ``runs``: the corrected gradient's runs
+  (:attr:`MatrixView.runs`), the dense leaves' last.
+
+  Where :func:`_native` holds, one custom call for the bucket
+  (:func:`jaxcomp._src.native.lowrank_product`, which also writes ``dense``
+  after the products), where XLA:CPU makes a scaling and a product per group
+  of equal shapes (ResNet-50: 21 groups in one bucket, 27 in five); the two
+  routes' sums run in other orders and agree to rounding.
+  """
+  if _native(view):
+    return native.lowrank_product(
+        runs[:-1], factor, view.per_leaf(scale), jnp.zeros((0,)) if dense is None else dense,
+        view.groups, view.rank, transposed=transposed, unit=unit)
+  if transposed:
+    products = _transposed_products(view, view.matrices(runs), view.p_factors(factor), scale)
+  else:
+    factors = view.q_factors(factor)
+    if unit:
+      # The scales of every leaf's columns come from one reduction over the columns
+      # (of |F|, so that its gather is fused into the reduction).
+      top = jnp.max(view.columns(jnp.abs(factor), "q"), axis=-1, initial=0.0)  # 0.0: no leaf
+      factors = [f * u for f, u in zip(factors, view.per_group(binade.unit_factor(top)[:, None, :]))]
+    products = _join([jnp.einsum("gmn,gnr->gmr", m, f * s)
+                      for m, f, s in zip(view.matrices(runs), factors, scale)])
+  return products if dense is None else jnp.concatenate([products, dense])
+
+
+def _orthonormal(view: MatrixView, flat: jax.Array, factor: str,
+                 old: Optional[jax.Array] = None) -> jax.Array:
+  """The flat ``P`` (``factor="p"``) or ``Q`` buffer with each leaf's columns
+  orthonormalised (:func:`_orthonormalize`), a column that is all zero first replaced
+  by ``old``'s (:func:`_refill`) where ``old`` is given.
+
+  Where :func:`_native` holds, one custom call (:func:`jaxcomp._src.native.factor_columns`,
+  in float64, so no column is rescaled), where XLA makes about six kernels per column
+  of the factors and a gather on either side.
+  """
+  if _native(view):
+    return native.factor_columns(flat, view.lengths(factor), view.rank, old=old)
+  columns = view.columns(flat, factor)
+  if old is not None:
+    columns = _refill(columns, view.columns(old, factor))
+  return view.uncolumns(_orthonormalize(columns), factor)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -451,11 +518,13 @@ def _message(rank: int, min_compression_rate: float) -> protocol.Message:
   return protocol.Message(size, decode)
 
 
-def _residual(runs: tuple[jax.Array, ...], p_factors: list[jax.Array],
-              q_factors: list[jax.Array]) -> fusion.Pieces:
+def _residual(view: MatrixView, runs: tuple[jax.Array, ...], p: jax.Array,
+              q: jax.Array) -> Union[fusion.Pieces, fusion.Rewrite]:
   """``M - P Q^T`` of each group (``runs``: the corrected gradient as ``step`` received it,
-  one flat run per group, then the dense leaves'; ``P``, ``Q``: the groups' factors as
+  one flat run per group, then the dense leaves'; ``P``, ``Q``: the flat factors as
   sent), one piece per group written in place; the dense leaves' residual stays (zero).
+  Where :func:`_native` holds, one custom call writes every group over the old
+  residual in place (:func:`jaxcomp._src.native.lowrank_residual`).
 
   Both methods hand it over as a function (:attr:`jaxcomp.protocol.Output.residual`),
   formed inside the branch that keeps the step on CPU: it reads the corrected
@@ -471,10 +540,13 @@ def _residual(runs: tuple[jax.Array, ...], p_factors: list[jax.Array],
   step on one device took 142 ms flat against 113 in rows of 8 (ResNet-50), 691
   against 408 in rows of 64 (the transformer).
   """
-  products = _products(p_factors, q_factors)
-  offsets = itertools.accumulate((p.size for p in products[:-1]), initial=0)
+  if _native(view):
+    return fusion.Rewrite(lambda old: native.lowrank_residual(
+        old, runs[:-1], p, q, view.groups, view.rank))
+  products = _products(view.p_factors(p), view.q_factors(q))
+  offsets = itertools.accumulate((f.size for f in products[:-1]), initial=0)
   return fusion.Pieces(tuple(offsets), tuple(
-      run.reshape(p.shape) - p for run, p in zip(runs, products)))
+      run.reshape(f.shape) - f for run, f in zip(runs, products)))
 
 
 # -------------------------------------------------------------------- PowerSGD
@@ -588,37 +660,37 @@ def powersgd(
     q_start = state.q
     if not warm_start:
       q_start = jax.random.normal(ctx.key, (view.q_size,), jnp.float32)
-    matrices, dense = view.matrices(corrected), corrected[-1]
     # The warm start carries the last mean's magnitude (its product with M would be
     # |M|^2), and P's orthonormalisation reads only the directions of its columns:
     # each column of Q is brought to [1, 4) (norm < 4 h, h >= sqrt(cols)) and divided
     # by 4 h^2, so no entry of M_i Q exceeds the largest of M_i.
-    # The scales of every leaf's columns come from one reduction over the columns
-    # (of |Q|, so that its gather is fused into the reduction).
-    unit = binade.unit_factor(jnp.max(view.columns(jnp.abs(q_start), "q"), axis=-1,
-                                initial=0.0))[:, None, :]  # 0.0: no leaf compressed
-    local_p = [jnp.einsum("gmn,gnr->gmr", m, q * u * (0.25 / h**2))
-               for m, q, u, h in zip(matrices, view.q_factors(q_start), view.per_group(unit),
-                                     view.headroom("q"))]
-    reduced = ctx.mean(jnp.concatenate([_join(local_p), dense]))
-    p_hat = view.uncolumns(_orthonormalize(view.columns(reduced[:view.p_size], "p")), "p")
+    reduced = ctx.mean(_product(view, corrected, q_start,
+                                [0.25 / h**2 for h in view.headroom("q")], corrected[-1],
+                                unit=True))
+    p_hat = _orthonormal(view, reduced[:view.p_size], "p")
     # A column of M_i^T P^ reaches sqrt(rows) times the largest entry of M_i: it is
     # taken with P^ / h and sent so; P^ h stands beside it in every product.
     p_room = view.headroom("p")
-    local_q = _transposed_products(view, matrices, view.p_factors(p_hat), p_room)
+    local_q = _product(view, corrected, p_hat, [1 / h for h in p_room], transposed=True)
     q_mean = ctx.mean(local_q)
     p_flat = p_hat * view.per_entry(p_room, "p")
     # The state holds the reduced Q itself where its column fits in f32, and the
     # column as sent where it does not (the warm start reads its direction only).
-    # Column by column, every leaf in one batch (:meth:`MatrixView.columns`).
-    sent = view.columns(q_mean, "q")
-    full = sent * view.per_leaf(p_room)
-    kept = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, sent)
-    new_q = view.uncolumns(_refill(kept, view.columns(q_start, "q")), "q")
+    # Column by column, every leaf in one batch (:meth:`MatrixView.columns`), or the
+    # custom call's one pass.
+    if _native(view):
+      new_q = native.factor_columns(q_mean, view.lengths("q"), rank, old=q_start,
+                                    scales=view.per_leaf(p_room),
+                                    orthonormalize=False)
+    else:
+      sent = view.columns(q_mean, "q")
+      full = sent * view.per_leaf(p_room)
+      kept = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, sent)
+      new_q = view.uncolumns(_refill(kept, view.columns(q_start, "q")), "q")
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
-        residual=lambda: _residual(corrected, view.p_factors(p_flat), view.q_factors(local_q)),
+        residual=lambda: _residual(view, corrected, p_flat, local_q),
         state={"q": new_q},
         witness=(reduced, q_mean),
         message=jnp.concatenate([p_flat, q_mean, dense_mean]))
@@ -644,12 +716,15 @@ def powersgd(
 
 
 class _Renewal(NamedTuple):
-  """What an ACP-SGD step leaves for :func:`_renew`: its bucket's reduced factor, refilled
-  (``[leaves, r, L]`` columns, :meth:`MatrixView.columns`), which factor it is (``even``:
-  ``P``), and the bucket's old factors."""
+  """What an ACP-SGD step leaves for :func:`_renew`: its bucket's reduced factor, which
+  factor it is (``even``: ``P``), and the bucket's old factors.
+
+  ``reduced``: on XLA's route the reduced factor refilled, as ``[leaves, r, L]``
+  columns (:meth:`MatrixView.columns`); where :func:`_native` holds, the step's
+  flat ``(P, Q)`` of the mean, refilled by the custom call itself."""
 
   view: MatrixView
-  columns: jax.Array
+  reduced: Union[jax.Array, tuple[jax.Array, jax.Array]]
   even: Union[bool, jax.Array]
   p: jax.Array
   q: jax.Array
@@ -667,12 +742,23 @@ def _renew(renewals: list[_Renewal]) -> list[dict[str, jax.Array]]:
   buckets make two batches, a transformer's fourteen two in the P step (its
   embedding's long columns alone) and one in the Q step, where one batch of
   all would read 1.8x and 8.5x the entries in the P step.
-  No exchange waits for it (the factor is the next step's).
+  No exchange waits for it (the factor is the next step's). Where the custom
+  calls run (:func:`_native`), one call per bucket and factor, in float64.
   """
-  lengths = [r.columns.shape[-1] for r in renewals]
-  counts = [r.columns.shape[0] for r in renewals]
+  renewed: list[dict[str, jax.Array]] = [{} for _ in renewals]
+  apart = [i for i, r in enumerate(renewals) if isinstance(r.reduced, tuple)]
+  for i in apart:
+    r = renewals[i]
+    p_mean, q_mean = r.reduced
+    # A form picked on the host renews its own factor only.
+    p = r.p if r.even is False else _orthonormal(r.view, p_mean, "p", r.p)
+    q = r.q if r.even is True else _orthonormal(r.view, q_mean, "q", r.q)
+    renewed[i] = {"p": jnp.where(r.even, p, r.p), "q": jnp.where(r.even, r.q, q)}
+  columns = [i for i in range(len(renewals)) if i not in apart]
+  lengths = {i: renewals[i].reduced.shape[-1] for i in columns}
+  counts = {i: renewals[i].reduced.shape[0] for i in columns}
   batches: list[list[int]] = []
-  for i in sorted(range(len(renewals)), key=lambda i: -lengths[i]):  # stable
+  for i in sorted(columns, key=lambda i: -lengths[i]):  # stable
     if batches:
       joined = batches[-1] + [i]
       padded = lengths[joined[0]] * sum(counts[j] for j in joined)
@@ -680,12 +766,11 @@ def _renew(renewals: list[_Renewal]) -> list[dict[str, jax.Array]]:
         batches[-1] = joined
         continue
     batches.append([i])
-  renewed: list[dict[str, jax.Array]] = [{} for _ in renewals]
   for batch in batches:
     length = lengths[batch[0]]
-    columns = [jnp.pad(renewals[i].columns, ((0, 0), (0, 0), (0, length - lengths[i])))
-               for i in batch]
-    ortho = _orthonormalize(jnp.concatenate(columns))
+    padded = [jnp.pad(renewals[i].reduced, ((0, 0), (0, 0), (0, length - lengths[i])))
+              for i in batch]
+    ortho = _orthonormalize(jnp.concatenate(padded))
     parts = jnp.split(ortho, list(itertools.accumulate(counts[i] for i in batch[:-1])))
     for i, part in zip(batch, parts):
       r = renewals[i]
@@ -816,34 +901,39 @@ def acpsgd(
     # largest entry of M_i: it is taken with the orthonormal factor divided by h and
     # sent so, and the factor times h stands beside it in every product. The
     # orthonormalisation reads the reduced factor's directions only.
-    def p_step(matrices):
-      q_hat, q_room = view.q_factors(state.q), view.headroom("q")
-      local = [jnp.einsum("gmn,gnr->gmr", m, q * (1 / h))
-               for m, q, h in zip(matrices, q_hat, q_room)]
-      reduced = ctx.mean(jnp.concatenate([_join(local), dense]))
+    # The custom calls orthonormalise the flat factors themselves; XLA's route takes
+    # them as columns, made in the branch.
+    columns = not _native(view)
+
+    def p_step(runs):
+      q_room = view.headroom("q")
+      sent = _product(view, runs, state.q, [1 / h for h in q_room], dense)
+      reduced = ctx.mean(sent)
       p_mean = reduced[:view.p_size]
       q_beside = state.q * view.per_entry(q_room, "q")
-      return (p_mean, q_beside, _join(local), q_beside, reduced[view.p_size:],
-              view.columns(p_mean, "p", length), view.columns(state.p, "p", length))
+      return (p_mean, q_beside, sent[:view.p_size], q_beside, reduced[view.p_size:]) + (
+          (view.columns(p_mean, "p", length), view.columns(state.p, "p", length))
+          if columns else ())
 
-    def q_step(matrices):
-      p_hat, p_room = view.p_factors(state.p), view.headroom("p")
-      local = _transposed_products(view, matrices, p_hat, p_room)
-      reduced = ctx.mean(jnp.concatenate([local, dense]))
+    def q_step(runs):
+      p_room = view.headroom("p")
+      sent = _product(view, runs, state.p, [1 / h for h in p_room], dense, transposed=True)
+      reduced = ctx.mean(sent)
       q_mean = reduced[:view.q_size]
       p_beside = state.p * view.per_entry(p_room, "p")
-      return (p_beside, q_mean, p_beside, local, reduced[view.q_size:],
-              view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
+      return (p_beside, q_mean, p_beside, sent[:view.q_size], reduced[view.q_size:]) + (
+          (view.columns(q_mean, "q", length), view.columns(state.q, "q", length))
+          if columns else ())
 
-    matrices = view.matrices(corrected)
-    p_mean, q_mean, p_sent, q_sent, dense_mean, fresh, old = ctx.switch(
-        (p_step, q_step), matrices)
+    p_mean, q_mean, p_sent, q_sent, dense_mean, *fresh_old = ctx.switch(
+        (p_step, q_step), corrected)
+    fresh = _refill(*fresh_old) if columns else (p_mean, q_mean)
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
-        residual=lambda: _residual(corrected, view.p_factors(p_sent), view.q_factors(q_sent)),
+        residual=lambda: _residual(view, corrected, p_sent, q_sent),
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]),
-        finish=_Renewal(view, _refill(fresh, old), ctx.form == 0, state.p, state.q))
+        finish=_Renewal(view, fresh, ctx.form == 0, state.p, state.q))
 
   def wire_cost(bucket, sizes, steps):
     del steps

@@ -1,5 +1,5 @@
-"""Top-k selections and error feedback's sum as XLA:CPU custom calls, compiled from
-``topk.cc`` on first use.
+"""Top-k selections, error feedback's sum and the low-rank methods' products as XLA:CPU
+custom calls, compiled from ``topk.cc`` on first use.
 
 On CPU the selection in JAX (:func:`jaxcomp._src.selection.exact_topk`) is
 about 43 kernels: a sample's threshold, a compaction, prefix sums and a
@@ -17,14 +17,21 @@ kernels a bucket in JAX), for error feedback's packed mask of what was sent
 (:func:`sent_mask`: four kernels of a scatter in JAX) and for its corrected gradient
 (:func:`corrected`: the leaves and the residual read once, where XLA:CPU
 copies the concatenation of more than 8 leaves into a buffer of its own and
-reads it back; the integer codes' block maxima taken in the same pass).
+reads it back; the integer codes' block maxima taken in the same pass), and for
+PowerSGD's and ACP-SGD's products, factor columns and residual
+(:func:`lowrank_product`, :func:`factor_columns`, :func:`lowrank_residual`: one
+call a bucket each, where XLA:CPU makes a few kernels per group of equal-shaped
+matrices; not XLA's order of sums, so those two routes agree to rounding, not
+bit for bit).
 Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
 route: the exact top-k of ResNet-50's 25.6M
 entries at density 0.001 in 8.1-8.7 ms against 21-22, of a 25 MiB bucket of
 6.5M in 3.3-4.4 against 6.3-7.0; DGC's selection in such a bucket in 3.2-3.9
 against 3.7-5.1; 6,240 rows of 4,096 at k = 5 in 11.4-12.0 against 17-22.
 Compiled with the compiler's default target, not for this CPU alone, so that
-machines that share the cache can all load it.
+machines that share the cache can all load it (with GCC on x86-64 the low-rank
+loops also in an AVX2 clone that a CPU with AVX2 picks at load time: the same
+operations in the same order, no product and sum fused into one rounding).
 
 It needs a C++17 compiler (``$CXX``, else ``c++``) and the XLA FFI headers
 that jaxlib ships (``jax.ffi.include_dir()``). The library is built once per
@@ -32,7 +39,8 @@ source and jaxlib version, into ``$JAXCOMP_CACHE_DIR`` (by default
 ``jaxcomp`` under ``$XDG_CACHE_HOME`` or ``~/.cache``), and loaded from there by
 every later process. Where it cannot be built or loaded, or where
 ``JAXCOMP_NATIVE=0`` is set, :func:`available` is false and the selection
-stays in JAX: the same results, in more kernels.
+stays in JAX: the same results, in more kernels (the low-rank methods' to
+rounding).
 """
 
 from __future__ import annotations
@@ -59,8 +67,13 @@ _SOURCE = pathlib.Path(__file__).with_name("topk.cc")
 # Each custom call's name, and its handler's symbol in the library.
 _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampledTopk",
             "jaxcomp_topk_per_row": "JaxcompTopkPerRow", "jaxcomp_sent_mask": "JaxcompSentMask",
-            "jaxcomp_corrected": "JaxcompCorrected", "jaxcomp_two_level": "JaxcompTwoLevel"}
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+            "jaxcomp_corrected": "JaxcompCorrected", "jaxcomp_two_level": "JaxcompTwoLevel",
+            "jaxcomp_lowrank_product": "JaxcompLowrankProduct",
+            "jaxcomp_factor_columns": "JaxcompFactorColumns",
+            "jaxcomp_lowrank_residual": "JaxcompLowrankResidual"}
+# -ffp-contract=off: no product and sum fused into one rounding where the target has
+# such an instruction, so that the low-rank products round alike on every machine.
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
 
 
 def _cache_dir() -> pathlib.Path:
@@ -373,3 +386,144 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
   if block is not None:
     return tuple(out)
   return out[0] if parts is None else tuple(out)
+
+
+def _shapes(groups: Sequence[tuple[int, int, int]]) -> np.ndarray:
+  groups = [tuple(checks.check_number(x, "groups", integer=True, low=1) for x in g)
+            for g in groups]
+  if not groups or any(len(g) != 3 for g in groups):
+    raise ValueError(f"`groups` must be (count, rows, cols) triples, at least one, got {groups}")
+  return np.asarray(groups, np.int64).reshape(-1)
+
+
+def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequence[float],
+                    dense: jax.Array, groups: Sequence[tuple[int, int, int]], rank: int, *,
+                    transposed: bool = False, unit: bool = False) -> jax.Array:
+  """The low-rank methods' products of every compressed matrix with its factor, by the
+  custom call (CPU only): one call for a bucket, where XLA makes a scaling and a
+  product per group of equal shapes.
+
+  Args:
+    runs: one f32 array per group, its ``count`` matrices (``rows x cols``,
+      row-major) end to end (:attr:`jaxcomp._src.lowrank.MatrixView.groups`).
+    factor: the flat factor buffer, each matrix's ``cols x rank`` (``rows x rank``
+      with ``transposed``) row-major, matrix after matrix.
+    scales: static, one per matrix: its factor columns' multiplier.
+    dense: f32, copied after the products (the leaves a method sends dense).
+    groups: static ``(count, rows, cols)`` per run.
+    rank: static, the factors' columns.
+    transposed: ``M^T F`` where ``False`` gives ``M F``.
+    unit: each column is first multiplied by
+      :func:`jaxcomp._src.binade.unit_factor` of its largest magnitude.
+
+  Returns:
+    ``f32[products + dense.size]``: each matrix's product (``rows x rank``,
+    ``cols x rank`` with ``transposed``), matrix after matrix, then ``dense``.
+    Each entry is summed in a fixed order (a row times a column in 8
+    interleaved sums joined pairwise; ``M^T F`` over the rows in order), the
+    same on every machine, not XLA's: the two routes agree to rounding.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  flat_groups = _shapes(groups)
+  rank = checks.check_number(rank, "rank", integer=True, low=1)
+  runs = list(runs)
+  if len(runs) != len(groups):
+    raise ValueError(f"one run per group: {len(runs)} runs for {len(groups)} groups")
+  matrices = sum(g for g, _, _ in groups)
+  inner = sum(g * (rows if transposed else cols) for g, rows, cols in groups) * rank
+  outer = sum(g * (cols if transposed else rows) for g, rows, cols in groups) * rank
+  scales = np.asarray(scales, np.float32).reshape(-1)
+  if factor.shape != (inner,) or scales.shape != (matrices,):
+    raise ValueError(f"`factor` must be f32[{inner}] and `scales` {matrices} values,"
+                     f" got {list(factor.shape)} and {scales.size}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_lowrank_product", jax.ShapeDtypeStruct((outer + dense.size,), jnp.float32),
+      vmap_method="sequential",
+  )(factor, dense.reshape(-1), *[run.reshape(-1) for run in runs], groups=flat_groups,
+    scales=scales, rank=np.int64(rank), transposed=np.int64(transposed), unit=np.int64(unit))
+
+
+def factor_columns(factor: jax.Array, lengths: Sequence[int], rank: int, *,
+                   old: Optional[jax.Array] = None, scales: Optional[Sequence[float]] = None,
+                   orthonormalize: bool = True) -> jax.Array:
+  """Each matrix's factor, column by column, by the custom call (CPU only).
+
+  Args:
+    factor: the flat factor buffer, matrix ``i``'s ``lengths[i] x rank``
+      row-major, matrix after matrix.
+    lengths: static, each factor's rows.
+    rank: static, its columns.
+    old: like ``factor``: a column that is all zero is replaced by ``old``'s
+      (:func:`jaxcomp._src.lowrank._refill`), after ``scales``.
+    scales: static, one per matrix: each column times its matrix's scale where
+      all of that column's products are finite, else as it is; first.
+    orthonormalize: last, modified Gram-Schmidt on each factor's columns in
+      float64 (no column needs rescaling; a column that is exactly zero after
+      the projections stays zero, NaN stays NaN), rounded to f32.
+
+  Returns:
+    ``factor``'s layout. One fixed order of sums: the same bits on every device.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  lengths = np.asarray([checks.check_number(n, "lengths", integer=True, low=1)
+                        for n in lengths], np.int64)
+  rank = checks.check_number(rank, "rank", integer=True, low=1)
+  size = int(lengths.sum()) * rank
+  if factor.shape != (size,) or (old is not None and old.shape != (size,)):
+    raise ValueError(f"`factor` (and `old`) must be f32[{size}], got {list(factor.shape)}")
+  scales = np.asarray(() if scales is None else scales, np.float32).reshape(-1)
+  if scales.size not in (0, lengths.size):
+    raise ValueError(f"`scales` must be {lengths.size} values, got {scales.size}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_factor_columns", jax.ShapeDtypeStruct((size,), jnp.float32),
+      vmap_method="sequential",
+  )(factor, jnp.zeros((0,), jnp.float32) if old is None else old, lengths=lengths,
+    scales=scales, rank=np.int64(rank), orthonormalize=np.int64(orthonormalize))
+
+
+def lowrank_residual(buffer: jax.Array, runs: Sequence[jax.Array], p: jax.Array, q: jax.Array,
+                     groups: Sequence[tuple[int, int, int]], rank: int) -> jax.Array:
+  """Each compressed matrix's ``M - P Q^T`` written over the start of ``buffer``, by the
+  custom call (CPU only), in place where XLA can give it ``buffer`` (donated).
+
+  Args:
+    buffer: ``f32[n]``, at least the matrices' entries; its entries after them
+      stay as they are.
+    runs: the matrices ``M``, one f32 array per group (:func:`lowrank_product`).
+    p: the flat ``P`` buffer, each matrix's ``rows x rank`` row-major.
+    q: the flat ``Q`` buffer, each matrix's ``cols x rank`` row-major.
+    groups: static ``(count, rows, cols)`` per run.
+    rank: static.
+
+  Returns:
+    ``f32[n]``: the residuals matrix after matrix, then ``buffer``'s other
+    entries. Each product is summed as
+    :func:`jaxcomp._src.lowrank._products` writes it (column 0's term, plus
+    each next one's in order); XLA may fuse a product and a sum into one
+    rounding where the CPU has the instruction, so the routes agree to rounding.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  flat_groups = _shapes(groups)
+  rank = checks.check_number(rank, "rank", integer=True, low=1)
+  runs = list(runs)
+  size = sum(g * rows * cols for g, rows, cols in groups)
+  p_size = sum(g * rows for g, rows, _ in groups) * rank
+  q_size = sum(g * cols for g, _, cols in groups) * rank
+  if (len(runs) != len(groups) or buffer.ndim != 1 or buffer.size < size
+      or p.shape != (p_size,) or q.shape != (q_size,)):
+    raise ValueError(f"one run per group, `buffer` f32[>= {size}], `p` f32[{p_size}] and `q`"
+                     f" f32[{q_size}]; got {len(runs)} runs, {list(buffer.shape)},"
+                     f" {list(p.shape)}, {list(q.shape)}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_lowrank_residual", jax.ShapeDtypeStruct(buffer.shape, jnp.float32),
+      vmap_method="sequential", input_output_aliases={0: 0},
+  )(buffer, p, q, *[run.reshape(-1) for run in runs], groups=flat_groups, rank=np.int64(rank))

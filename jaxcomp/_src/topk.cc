@@ -42,6 +42,14 @@
 // inherits the caller's floating-point environment (XLA:CPU's flushes
 // subnormals), so both halves add as XLA does.
 //
+// JaxcompLowrankProduct, JaxcompFactorColumns, JaxcompLowrankResidual: the low-rank
+// methods' work on a gradient bucket (jaxcomp/_src/lowrank.py), one call each where
+// XLA:CPU makes a few kernels per group of equal-shaped matrices: every matrix times
+// its factor (M F or M^T F, the factor's columns scaled by powers of two), each
+// factor's columns scaled, refilled and orthonormalised (in double), and each
+// matrix's M - P Q^T written over the residual in place. Their sums run in one fixed
+// order (not XLA's), the same on every machine: the two routes agree to rounding.
+//
 // Loaded and registered by jaxcomp/_src/native.py, which compiles this file on
 // first use.
 
@@ -558,6 +566,386 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
   });
 }
 
+// ------------------------------------------------------------------- low rank
+
+// A method's run of `count` matrices of one shape, each rows x cols, row-major,
+// end to end (jaxcomp/_src/lowrank.py's MatrixView.groups).
+struct Group {
+  int64_t count, rows, cols;
+};
+
+// The groups of a flat (count, rows, cols) attribute, or none where it is not whole
+// triples of positive sizes.
+std::vector<Group> Groups(ffi::Span<const int64_t> flat) {
+  std::vector<Group> groups;
+  if (flat.size() % 3 != 0) return {};
+  for (size_t g = 0; g < flat.size(); g += 3) {
+    if (flat[g] < 1 || flat[g + 1] < 1 || flat[g + 2] < 1) return {};
+    groups.push_back({flat[g], flat[g + 1], flat[g + 2]});
+  }
+  return groups;
+}
+
+// One compressed leaf: its matrix, its shape, and where its factor lies in the
+// factor buffer read (`in`) and in the one written (`out`).
+struct Leaf {
+  const float* m;
+  int64_t rows, cols, in, out;
+};
+
+// jaxcomp/_src/binade.py's unit_factor of a magnitude given as its bits (NaN's above
+// inf's): the power of two that brings it into [1, 2), kept a normal float.
+float UnitFactor(int32_t magnitude_bits) {
+  const int32_t exponent = std::clamp<int32_t>(254 - (magnitude_bits >> 23), 1, 254);
+  const int32_t bits = exponent << 23;
+  float factor;
+  std::memcpy(&factor, &bits, sizeof(factor));
+  return factor;
+}
+
+// A row times a column is summed in kLanes interleaved sums, joined pairwise, then
+// the tail's: one fixed order, whatever the machine.
+constexpr int64_t kLanes = 8;
+
+// The products' loops are also built for AVX2 where the compiler can, picked at load
+// time on a CPU that has it: the same operations in the same order (no product and
+// sum fused, -ffp-contract=off), in wider registers.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define JAXCOMP_WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define JAXCOMP_WIDE
+#endif
+
+// Rows [first, last) of m (? x cols) times the r columns of a factor given as r rows
+// of cols entries (`columns`), into out (rows x r, row-major). Column by column over
+// the row (in cache), so that the sums stay in registers.
+JAXCOMP_WIDE void LeftRows(const float* m, int64_t cols, const float* columns, int64_t r, int64_t first,
+              int64_t last, float* out) {
+  const int64_t whole = cols - cols % kLanes;
+  for (int64_t i = first; i < last; ++i) {
+    const float* row = m + i * cols;
+    for (int64_t j = 0; j < r; ++j) {
+      const float* column = columns + j * cols;
+      float lane[kLanes] = {};
+      for (int64_t k = 0; k < whole; k += kLanes) {
+        for (int64_t l = 0; l < kLanes; ++l) lane[l] += row[k + l] * column[k + l];
+      }
+      float tail = 0.0f;
+      for (int64_t k = whole; k < cols; ++k) tail += row[k] * column[k];
+      out[i * r + j] = (((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                        ((lane[4] + lane[5]) + (lane[6] + lane[7]))) + tail;
+    }
+  }
+}
+
+// Columns [first, last) of m^T f (m rows x cols, f rows x r, row-major) into out
+// (cols x r); each entry summed over the rows in order.
+JAXCOMP_WIDE void RightColumns(const float* m, int64_t rows, int64_t cols, const float* f, int64_t r,
+                  int64_t first, int64_t last, float* out) {
+  const int64_t width = last - first;
+  std::vector<float> sums(r * width, 0.0f);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = m + i * cols + first;
+    for (int64_t j = 0; j < r; ++j) {
+      float* sum = &sums[j * width];
+      const float p = f[i * r + j];
+      for (int64_t k = 0; k < width; ++k) sum[k] += row[k] * p;
+    }
+  }
+  for (int64_t k = 0; k < width; ++k) {
+    for (int64_t j = 0; j < r; ++j) out[(first + k) * r + j] = sums[j * width + k];
+  }
+}
+
+// Runs `body(0, count)` here, or, where the work covers at least kSplitAbove entries,
+// `body(0, cut)` here and `body(cut, count)` on a second thread, `cut` the unit where
+// half of `costs` (one per unit) is reached.
+template <typename Body>
+void InHalvesByCost(const std::vector<int64_t>& costs, Body body) {
+  const int64_t count = static_cast<int64_t>(costs.size());
+  int64_t total = 0;
+  for (int64_t c : costs) total += c;
+  int64_t reached = 0, cut = 0;
+  while (cut < count && 2 * reached < total) reached += costs[cut++];
+  if (total < kSplitAbove || cut <= 0 || cut >= count) {
+    body(0, count);
+  } else {
+    InParallel([&] { body(0, cut); }, [&] { body(cut, count); });
+  }
+}
+
+// Runs `each(leaf, from, to)` on the units [begin, end) of the leaves laid end to end,
+// `units(leaf)` of each.
+template <typename Units, typename Each>
+void OverLeaves(const std::vector<Leaf>& leaves, int64_t begin, int64_t end, Units units,
+                Each each) {
+  int64_t start = 0;
+  for (const Leaf& leaf : leaves) {
+    const int64_t n = units(leaf);
+    const int64_t from = std::max(begin, start) - start;
+    const int64_t to = std::min(end, start + n) - start;
+    if (from < to) each(leaf, from, to);
+    start += n;
+  }
+}
+
+ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32> dense,
+                              ffi::RemainingArgs runs, ffi::Span<const int64_t> groups_attr,
+                              ffi::Span<const float> scales, int64_t r, int64_t transposed,
+                              int64_t unit, ffi::ResultBuffer<ffi::F32> out) {
+  const std::vector<Group> groups = Groups(groups_attr);
+  if (groups.empty() || groups.size() != runs.size() || r < 1) {
+    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
+  }
+  std::vector<Leaf> leaves;
+  int64_t in_size = 0, out_size = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
+    if (!run.has_value()) return run.error();
+    const Group& group = groups[g];
+    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
+      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
+    }
+    for (int64_t c = 0; c < group.count; ++c) {
+      leaves.push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
+                        in_size, out_size});
+      in_size += (transposed ? group.rows : group.cols) * r;
+      out_size += (transposed ? group.cols : group.rows) * r;
+    }
+  }
+  const int64_t count = static_cast<int64_t>(leaves.size());
+  const int64_t dense_size = static_cast<int64_t>(dense.element_count());
+  if (static_cast<int64_t>(factor.element_count()) != in_size ||
+      static_cast<int64_t>(scales.size()) != count ||
+      static_cast<int64_t>(out->element_count()) != out_size + dense_size) {
+    return ffi::Error::InvalidArgument(
+        "the factor, the scales (one per matrix) and the output (the products, then the dense"
+        " entries) must fit the groups");
+  }
+  const float* f = factor.typed_data();
+  float* result = out->typed_data();
+  return Guarded("jaxcomp_lowrank_product", [&] {
+    // The factor times its column scales: with `unit`, unit_factor of the column's
+    // largest magnitude, then its matrix's scale (the JAX route's two products, in order).
+    std::vector<float> scaled(f, f + in_size);
+    for (int64_t a = 0; a < count; ++a) {
+      const int64_t n = transposed ? leaves[a].rows : leaves[a].cols;
+      float* column = scaled.data() + leaves[a].in;
+      for (int64_t j = 0; j < r; ++j) {
+        if (unit) {
+          int32_t top = 0;
+          for (int64_t k = 0; k < n; ++k) {
+            int32_t bits;
+            std::memcpy(&bits, column + k * r + j, sizeof(bits));
+            top = std::max(top, bits & 0x7FFFFFFF);
+          }
+          const float factor_of_column = UnitFactor(top);
+          for (int64_t k = 0; k < n; ++k) column[k * r + j] *= factor_of_column;
+        }
+        for (int64_t k = 0; k < n; ++k) column[k * r + j] *= scales[a];
+      }
+    }
+    std::vector<int64_t> costs;
+    if (!transposed) {
+      // Each leaf's factor as r rows of its columns' entries; the matrices' rows in two
+      // halves of about equal work.
+      std::vector<float> columns(in_size);
+      for (const Leaf& leaf : leaves) {
+        for (int64_t k = 0; k < leaf.cols; ++k) {
+          for (int64_t j = 0; j < r; ++j) {
+            columns[leaf.in + j * leaf.cols + k] = scaled[leaf.in + k * r + j];
+          }
+        }
+        costs.insert(costs.end(), leaf.rows, leaf.cols);
+      }
+      InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
+        OverLeaves(leaves, begin, end, [](const Leaf& leaf) { return leaf.rows; },
+                   [&](const Leaf& leaf, int64_t from, int64_t to) {
+                     LeftRows(leaf.m, leaf.cols, columns.data() + leaf.in, r, from, to,
+                              result + leaf.out);
+                   });
+      });
+    } else {
+      // The matrices' columns in two halves of about equal work.
+      for (const Leaf& leaf : leaves) costs.insert(costs.end(), leaf.cols, leaf.rows);
+      InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
+        OverLeaves(leaves, begin, end, [](const Leaf& leaf) { return leaf.cols; },
+                   [&](const Leaf& leaf, int64_t from, int64_t to) {
+                     RightColumns(leaf.m, leaf.rows, leaf.cols, scaled.data() + leaf.in, r,
+                                  from, to, result + leaf.out);
+                   });
+      });
+    }
+    if (dense_size > 0) std::memcpy(result + out_size, dense.typed_data(), dense_size * sizeof(float));
+  });
+}
+
+// Each leaf's factor (n x r, row-major, the leaves' n in `lengths`) column by column:
+// with `scales` (one per leaf), the column times its leaf's scale where every entry
+// of that product is finite, else as it is; with `old` (as long as the factor), a
+// column that is then all zero replaced by old's; with `orthonormalize`, modified
+// Gram-Schmidt in double: column i loses its projections on the columns before it,
+// then is scaled to norm 1 (a column that is then exactly zero stays zero; NaN stays
+// NaN). A double holds every f32 entry squared, so no column needs rescaling, and one
+// fixed order of sums gives the same result on every device.
+ffi::Error FactorColumnsImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32> old,
+                             ffi::Span<const int64_t> lengths, ffi::Span<const float> scales,
+                             int64_t r, int64_t orthonormalize, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t size = 0;
+  for (int64_t n : lengths) {
+    if (n < 1) return ffi::Error::InvalidArgument("every length must be positive");
+    size += n * r;
+  }
+  const int64_t given = static_cast<int64_t>(old.element_count());
+  const int64_t scaled = static_cast<int64_t>(scales.size());
+  if (r < 1 || static_cast<int64_t>(factor.element_count()) != size ||
+      static_cast<int64_t>(out->element_count()) != size || (given != 0 && given != size) ||
+      (scaled != 0 && scaled != static_cast<int64_t>(lengths.size()))) {
+    return ffi::Error::InvalidArgument(
+        "the factor, the output and `old` (or nothing) must hold sum(lengths) x rank entries,"
+        " and `scales` one per length (or nothing)");
+  }
+  const float* f = factor.typed_data();
+  const float* refill = given == 0 ? nullptr : old.typed_data();
+  const float* scale = scaled == 0 ? nullptr : scales.begin();
+  float* result = out->typed_data();
+  return Guarded("jaxcomp_factor_columns", [&] {
+    std::vector<float> entries;
+    std::vector<double> columns;
+    int64_t offset = 0;
+    for (size_t a = 0; a < lengths.size(); ++a) {
+      const int64_t n = lengths[a];
+      columns.assign(r * n, 0.0);
+      entries.resize(n);
+      for (int64_t j = 0; j < r; ++j) {
+        for (int64_t k = 0; k < n; ++k) entries[k] = f[offset + k * r + j];
+        if (scale != nullptr) {
+          bool finite = true;
+          for (int64_t k = 0; k < n; ++k) finite = finite && std::isfinite(entries[k] * scale[a]);
+          if (finite) {
+            for (int64_t k = 0; k < n; ++k) entries[k] *= scale[a];
+          }
+        }
+        bool zero = true;
+        for (int64_t k = 0; k < n; ++k) zero = zero && entries[k] == 0.0f;
+        if (zero && refill != nullptr) {
+          for (int64_t k = 0; k < n; ++k) entries[k] = refill[offset + k * r + j];
+        }
+        if (!orthonormalize) {
+          for (int64_t k = 0; k < n; ++k) result[offset + k * r + j] = entries[k];
+          continue;
+        }
+        double* column = &columns[j * n];
+        for (int64_t k = 0; k < n; ++k) column[k] = entries[k];
+        for (int64_t i = 0; i < j; ++i) {
+          const double* before = &columns[i * n];
+          double dot = 0.0;
+          for (int64_t k = 0; k < n; ++k) dot += before[k] * column[k];
+          for (int64_t k = 0; k < n; ++k) column[k] -= dot * before[k];
+        }
+        double square = 0.0;
+        for (int64_t k = 0; k < n; ++k) square += column[k] * column[k];
+        const double norm = std::sqrt(square);
+        const double divisor = norm == 0.0 ? 1.0 : norm;
+        for (int64_t k = 0; k < n; ++k) column[k] /= divisor;
+        for (int64_t k = 0; k < n; ++k) result[offset + k * r + j] = static_cast<float>(column[k]);
+      }
+      offset += n * r;
+    }
+  });
+}
+
+// One row of M - P Q^T: `written` = row - sum_j p[j] qt[j] (qt: Q as r rows of cols
+// entries), the sum column 0's term plus each next one's in order, each over the
+// whole row (in cache).
+JAXCOMP_WIDE void ResidualRow(const float* row, const float* p, const float* qt, int64_t cols,
+                              int64_t r, float* written) {
+  for (int64_t k = 0; k < cols; ++k) written[k] = p[0] * qt[k];
+  for (int64_t j = 1; j < r; ++j) {
+    const float pj = p[j];
+    const float* column = qt + j * cols;
+    for (int64_t k = 0; k < cols; ++k) written[k] += pj * column[k];
+  }
+  for (int64_t k = 0; k < cols; ++k) written[k] = row[k] - written[k];
+}
+
+// Each leaf's M - P Q^T (P rows x r, Q cols x r, row-major, leaf after leaf) written
+// over the first entries of `buffer` (the output, which XLA aliases with it) in the
+// leaves' order; the entries after them stay. The product is summed as the JAX route
+// writes it: P[i, 0] Q[k, 0], plus each next column's in order.
+ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F32> p,
+                               ffi::Buffer<ffi::F32> q, ffi::RemainingArgs runs,
+                               ffi::Span<const int64_t> groups_attr, int64_t r,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  const std::vector<Group> groups = Groups(groups_attr);
+  if (groups.empty() || groups.size() != runs.size() || r < 1) {
+    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
+  }
+  std::vector<Leaf> leaves;
+  std::vector<int64_t> q_offsets;
+  int64_t p_size = 0, q_size = 0, size = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
+    if (!run.has_value()) return run.error();
+    const Group& group = groups[g];
+    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
+      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
+    }
+    for (int64_t c = 0; c < group.count; ++c) {
+      // `in`: the leaf's P; `out`: where its residual starts.
+      leaves.push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
+                        p_size, size});
+      q_offsets.push_back(q_size);
+      p_size += group.rows * r;
+      q_size += group.cols * r;
+      size += group.rows * group.cols;
+    }
+  }
+  if (static_cast<int64_t>(p.element_count()) != p_size ||
+      static_cast<int64_t>(q.element_count()) != q_size ||
+      static_cast<int64_t>(buffer.element_count()) < size ||
+      out->element_count() != buffer.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "P, Q and the buffer (at least the matrices' entries, the output's size) must fit the"
+        " groups");
+  }
+  float* result = out->typed_data();
+  const float* factor_p = p.typed_data();
+  const float* factor_q = q.typed_data();
+  return Guarded("jaxcomp_lowrank_residual", [&] {
+    if (result != buffer.typed_data()) {
+      std::memcpy(result, buffer.typed_data(), buffer.element_count() * sizeof(float));
+    }
+    // Each leaf's Q as r rows of its columns' entries.
+    std::vector<float> columns(q_size);
+    std::vector<int64_t> costs;
+    for (size_t a = 0; a < leaves.size(); ++a) {
+      for (int64_t k = 0; k < leaves[a].cols; ++k) {
+        for (int64_t j = 0; j < r; ++j) {
+          columns[q_offsets[a] + j * leaves[a].cols + k] = factor_q[q_offsets[a] + k * r + j];
+        }
+      }
+      costs.insert(costs.end(), leaves[a].rows, leaves[a].cols);
+    }
+    InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
+      int64_t start = 0;
+      for (size_t a = 0; a < leaves.size(); ++a) {
+        const Leaf& leaf = leaves[a];
+        const int64_t from = std::max(begin, start) - start;
+        const int64_t to = std::min(end, start + leaf.rows) - start;
+        start += leaf.rows;
+        const float* qt = columns.data() + q_offsets[a];
+        for (int64_t i = from; i < to; ++i) {
+          const float* row = leaf.m + i * leaf.cols;
+          const float* pi = factor_p + leaf.in + i * r;
+          float* written = result + leaf.out + i * leaf.cols;
+          ResidualRow(row, pi, qt, leaf.cols, r, written);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopk, TopkImpl,
@@ -609,3 +997,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                                   .RemainingArgs()
                                   .Attr<int64_t>("block")
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankProduct, LowrankProductImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<ffi::Span<const float>>("scales")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<int64_t>("unit")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompFactorColumns, FactorColumnsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("lengths")
+                                  .Attr<ffi::Span<const float>>("scales")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("orthonormalize")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankResidual, LowrankResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("rank")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
