@@ -14,7 +14,11 @@ Leaves of the same matrix shape are laid side by side and handled as one
 batch of up to 8 (a transformer's repeated layers share a few shapes), so
 the number of matrix products grows an eighth as fast as the model's depth. The factors'
 columns of every leaf are orthonormalised in one zero-padded batch
-(:meth:`MatrixView.columns`), so neither does the orthonormalisation.
+(:meth:`MatrixView.columns`), so neither does the orthonormalisation. On CPU,
+where the custom calls of :mod:`jaxcomp._src.native` are built, a bucket's
+products, its factors' columns and its residual are one call each
+(:func:`_product`, :func:`_orthonormal`, :func:`_residual`): a few kernels a
+bucket, not a few per group.
 
 Both methods give a finite, correct mean whenever its rank-one terms fit in
 f32, for gradients near 1e38 as near 1e-30. A factor enters a product with the
