@@ -774,3 +774,81 @@ def test_the_lowrank_calls_refuse_what_does_not_fit_by_name():
     native.factor_columns(jnp.zeros(8), [4], 2, scales=[1.0, 1.0])
   with pytest.raises(ValueError, match="`buffer`"):
     native.lowrank_residual(jnp.zeros(11), runs, jnp.zeros(6), jnp.zeros(8), groups, 2)
+
+
+# --------------------------------------------------------- a sparse mean's leaves
+
+
+@st.composite
+def _sparse_entries(draw):
+  sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=5))
+  n = sum(sizes)
+  k = draw(st.integers(0, 60))
+  # Positions in range (many repeated), EMPTY_INDEX, negatives and past the end.
+  position = st.one_of(st.integers(0, max(n - 1, 0)), st.integers(0, 3),
+                       st.sampled_from([EMPTY_INDEX, -1, -7, n, n + 5]))
+  indices = np.asarray(draw(st.lists(position, min_size=k, max_size=k)), np.int32)
+  values = np.asarray(draw(st.lists(_ENTRY, min_size=k, max_size=k)), np.float32)
+  return sizes, values, indices
+
+
+@harness.needs_native
+@hypothesis.given(_sparse_entries())
+def test_the_densify_call_writes_densify_s_bits_into_the_leaves(case):
+  # Repeated positions add in the entries' order, as XLA:CPU's scatter adds them; NaN,
+  # infinities and both zeros among the values.
+  sizes, values, indices = case
+  from jaxcomp import collectives
+  want = np.asarray(jax.jit(lambda v, i: collectives.densify(v, i, sum(sizes)))(values, indices))
+  got = jax.jit(lambda v, i: native.densify_leaves(v, i, sizes, jnp.float32(0)))(values, indices)
+  assert [g.shape for g in got] == [(s,) for s in sizes]
+  flat = np.concatenate([np.asarray(g) for g in got]) if got else np.zeros(0, np.float32)
+  np.testing.assert_array_equal(flat.view(np.uint32), want.view(np.uint32))
+
+
+@harness.needs_native
+def test_the_densify_call_refuses_unpaired_indices_by_name():
+  with pytest.raises(ValueError, match="`indices`"):
+    native.densify_leaves(jnp.zeros(3), jnp.zeros(4, jnp.int32), [7])
+  with pytest.raises(ValueError, match="`sizes`"):
+    native.densify_leaves(jnp.zeros(3), jnp.zeros(3, jnp.int32), [7, -1])
+
+
+@harness.needs_native
+@pytest.mark.parametrize("name, config", [
+    ("topk", dict(density=0.05)), ("gtopk", dict(density=0.05)),
+    ("randomk", dict(density=0.05)), ("dgc", dict(density=0.05)),
+    ("dgc", dict(density=0.05, sparse_leaves="all")),
+    # the warm-up's forms: the sparse mean is made in the branch, whole
+    ("dgc", dict(density=0.05, warmup_steps=4))])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+def test_a_sparse_mean_is_written_into_its_leaves_by_one_call_with_xla_s_bits(
+    name, config, bucket_cap_mb, monkeypatch):
+  """The mean's sparse leaves from one call per bucket (each written once), against
+  the whole vector's zeros, scatter and per-leaf copies: the same outputs and states,
+  bit for bit (every other call native in both)."""
+  params = {**_TWELVE, "bias": jnp.zeros(30)}
+  buckets = 1 if bucket_cap_mb is None else 2
+
+  def run(leaves):
+    if not leaves:
+      monkeypatch.setattr(native, "densify_leaves", _densified_flat)
+    runs = harness.run_two_steps(
+        lambda axis: registry.build(name, axis, bucket_cap_mb=bucket_cap_mb, **config),
+        params, 8, ("data",))
+    calls = runs["compiled"].as_text().count('custom_call_target="jaxcomp_densify_leaves"')
+    return calls, runs["outs"], runs["states"]
+
+  calls, *by_call = run(True)
+  assert calls == (0 if "warmup_steps" in config else buckets)
+  flat_calls, *by_xla = run(False)
+  assert flat_calls == 0
+  chex.assert_trees_all_equal(by_call, by_xla)
+
+
+def _densified_flat(values, indices, sizes, after=None):
+  """:func:`native.densify_leaves` by XLA: the whole vector, then each leaf's slice."""
+  from jaxcomp import collectives
+  flat = collectives.densify(values, indices, sum(sizes), after)
+  offsets = np.cumsum((0,) + tuple(sizes))
+  return tuple(flat[a:b] for a, b in zip(offsets[:-1], offsets[1:]))

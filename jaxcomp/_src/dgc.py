@@ -297,7 +297,7 @@ def dgc(
         check = jnp.sum(all_values - all_values)
         # Densified once the momentum is written: its zeros then take the fused
         # gradient's memory, which the momentum reads until then.
-        sparse_mean = protocol.Later.densified(all_values, all_indices, sparse.size,
+        sparse_mean = protocol.Later.densified(all_values, all_indices, sparse,
                                                received=all_indices)
         return (sparse_mean, error_feedback.sent_mask(ctx.bucket.size, indices, sparse.size),
                 check)
@@ -337,8 +337,15 @@ def dgc(
     # What was sent leaves the velocity. The dense leaves are sent exactly:
     # their residual is 0 (it never holds anything), written as such in the
     # same pass, so the residual is one elementwise write over the bucket.
+    def joined(parts):
+      """The sparse leaves' mean, then the dense leaves': one flat array, or one array
+      per leaf where the sparse leaves' mean was made so."""
+      if isinstance(parts[0], list):
+        return parts[0] + (dense.split(parts[1]) if len(parts) > 1 else [])
+      return fusion.concat(parts)
+
     return protocol.Output(
-        mean=protocol.Later.join(fusion.concat, means),
+        mean=protocol.Later.join(joined, means),
         residual=lambda: error_feedback.zero_sent(sent, corrected),
         witness=witness,
         state={"momentum": momentum})

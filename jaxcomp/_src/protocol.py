@@ -207,8 +207,9 @@ Mean = Union[jax.Array, Sequence[jax.Array]]
 class Later(NamedTuple):
   """A mean made once the step's state is written: ``make(after)``.
 
-  On CPU a sparsifier's mean is a buffer of zeros under a scatter
-  (:func:`jaxcomp.collectives.densify`). Made with the exchange, it is live
+  On CPU a sparsifier's mean is zeros under a scatter
+  (:func:`jaxcomp.collectives.densify`; with the native calls, its bucket's
+  leaves written by one call). Made with the exchange, it is live
   with the buffers that the branch keeping the step still reads (DGC's fused
   gradient, read again for its momentum), and XLA:CPU gives it memory of its
   own, whose pages fault in on every step; made once the state is written,
@@ -230,10 +231,25 @@ class Later(NamedTuple):
   received: Any
 
   @staticmethod
-  def densified(values: jax.Array, indices: jax.Array, n: int, received: Any) -> "Later":
+  def densified(values: jax.Array, indices: jax.Array, n: Union[int, fusion.Bucket],
+                received: Any) -> "Later":
     """The scatter-add of sparse ``values`` at ``indices`` into ``f32[n]``
-    (:func:`jaxcomp.collectives.densify`), its zeros made from ``after``."""
-    return Later(lambda after: collectives.densify(values, indices, n, after), received)
+    (:func:`jaxcomp.collectives.densify`), its zeros made from ``after``.
+
+    ``n`` a bucket (its leaves' entries together): made with ``after`` where
+    the native custom calls run, one f32 array per leaf, each written once by
+    one call (:func:`jaxcomp._src.native.densify_leaves`, the same bits), where
+    XLA:CPU writes the zeros of the whole vector, scatters into it, and copies
+    each leaf out of it: 2 passes over the gradient and a kernel per leaf more.
+    """
+    def make(after):
+      if isinstance(n, fusion.Bucket):
+        if after is not None and selection.native_route():
+          return list(native.densify_leaves(values, indices, n.sizes, after))
+        return collectives.densify(values, indices, n.size, after)
+      return collectives.densify(values, indices, n, after)
+
+    return Later(make, received)
 
   @staticmethod
   def join(combine: Callable[[list], Mean], parts: Sequence[Any]):

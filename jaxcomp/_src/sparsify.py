@@ -134,7 +134,7 @@ def topk(
     values, indices = _select(corrected, density, ctx.bucket.size)
     all_values, all_indices = ctx.sparse_allgather(values, indices)
     return protocol.Output(
-        mean=protocol.Later.densified(all_values, all_indices, ctx.bucket.size,
+        mean=protocol.Later.densified(all_values, all_indices, ctx.bucket,
                                       received=all_indices),
         residual=protocol.Zeroed(indices),
         witness=all_values)
@@ -219,7 +219,7 @@ def gtopk(
     in_global = jnp.zeros(k, bool).at[slot].set(True, mode="drop")
     sent = jnp.where(in_global, indices, collectives.EMPTY_INDEX)
     return protocol.Output(
-        mean=protocol.Later.densified(global_values, global_indices, ctx.bucket.size,
+        mean=protocol.Later.densified(global_values, global_indices, ctx.bucket,
                                       received=global_indices),
         residual=protocol.Zeroed(sent),
         witness=global_values)
@@ -392,7 +392,7 @@ def randomk(
         indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds",
         wrap_negative_indices=False))
     return protocol.Output(
-        mean=protocol.Later.densified(mean_values, indices, n, received=()),
+        mean=protocol.Later.densified(mean_values, indices, ctx.bucket, received=()),
         residual=protocol.Zeroed(indices),
         witness=mean_values)
 

@@ -50,6 +50,10 @@
 // matrix's M - P Q^T written over the residual in place. Their sums run in one fixed
 // order (not XLA's), the same on every machine: the two routes agree to rounding.
 //
+// JaxcompDensifyLeaves: a sparsifier's mean (jaxcomp/_src/collectives.py's densify,
+// the same bits) written into the bucket's leaves, each once, where XLA:CPU writes the
+// whole vector's zeros, scatters into it and copies each leaf out of it.
+//
 // Loaded and registered by jaxcomp/_src/native.py, which compiles this file on
 // first use.
 
@@ -946,6 +950,47 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
   });
 }
 
+// jaxcomp/_src/collectives.py's densify (the same bits), written as the leaves of a
+// bucket: the outputs, end to end, are zeros, then each entry of `values` is added at
+// its position in `indices` (one of [0, n), n the outputs' entries together; others
+// are dropped), one after the other in order, as XLA:CPU's scatter adds them. The
+// zeros on two threads where there are many. `after` orders the call after what
+// wrote it, and is not read.
+ffi::Error DensifyLeavesImpl(ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> indices,
+                             ffi::Buffer<ffi::F32> after, ffi::RemainingRets leaves) {
+  (void)after;
+  if (values.element_count() != indices.element_count()) {
+    return ffi::Error::InvalidArgument("one index per value");
+  }
+  std::vector<float*> out;
+  std::vector<int64_t> starts = {0};
+  for (size_t j = 0; j < leaves.size(); ++j) {
+    auto leaf = leaves.get<ffi::Buffer<ffi::F32>>(j);
+    if (!leaf.has_value()) return leaf.error();
+    out.push_back((*leaf)->typed_data());
+    starts.push_back(starts.back() + static_cast<int64_t>((*leaf)->element_count()));
+  }
+  const int64_t n = starts.back();
+  const float* entries = values.typed_data();
+  const int32_t* positions = indices.typed_data();
+  const int64_t count = static_cast<int64_t>(values.element_count());
+  return Guarded("jaxcomp_densify_leaves", [&] {
+    InHalves(n, n, [&](int64_t begin, int64_t end) {
+      for (size_t j = 0; j < out.size(); ++j) {
+        const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
+        if (from < to) std::fill(out[j] + (from - starts[j]), out[j] + (to - starts[j]), 0.0f);
+      }
+    });
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t position = positions[i];
+      if (position < 0 || position >= n) continue;
+      const size_t leaf = static_cast<size_t>(
+          std::upper_bound(starts.begin(), starts.end(), position) - starts.begin() - 1);
+      out[leaf][position - starts[leaf]] += entries[i];
+    }
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopk, TopkImpl,
@@ -1029,3 +1074,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankResidual, LowrankResidualImpl,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("rank")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDensifyLeaves, DensifyLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());
