@@ -391,12 +391,20 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
   return out[0] if parts is None else tuple(out)
 
 
-def _shapes(groups: Sequence[tuple[int, int, int]]) -> np.ndarray:
+def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, int]],
+                  rank: int) -> tuple[list[jax.Array], np.ndarray, int]:
+  """``(runs flat, groups as the calls' flat attribute, rank)``, checked; raises
+  :class:`RuntimeError` where the custom calls are not :func:`available`."""
+  _check_available()
   groups = [tuple(checks.check_number(x, "groups", integer=True, low=1) for x in g)
             for g in groups]
   if not groups or any(len(g) != 3 for g in groups):
     raise ValueError(f"`groups` must be (count, rows, cols) triples, at least one, got {groups}")
-  return np.asarray(groups, np.int64).reshape(-1)
+  rank = checks.check_number(rank, "rank", integer=True, low=1)
+  runs = [run.reshape(-1) for run in runs]
+  if len(runs) != len(groups):
+    raise ValueError(f"one run per group: {len(runs)} runs for {len(groups)} groups")
+  return runs, np.asarray(groups, np.int64).reshape(-1), rank
 
 
 def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequence[float],
@@ -429,12 +437,7 @@ def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequen
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
-  _check_available()
-  flat_groups = _shapes(groups)
-  rank = checks.check_number(rank, "rank", integer=True, low=1)
-  runs = list(runs)
-  if len(runs) != len(groups):
-    raise ValueError(f"one run per group: {len(runs)} runs for {len(groups)} groups")
+  runs, flat_groups, rank = _checked_runs(runs, groups, rank)
   matrices = sum(g for g, _, _ in groups)
   inner = sum(g * (rows if transposed else cols) for g, rows, cols in groups) * rank
   outer = sum(g * (cols if transposed else rows) for g, rows, cols in groups) * rank
@@ -445,7 +448,7 @@ def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequen
   return jax.ffi.ffi_call(
       "jaxcomp_lowrank_product", jax.ShapeDtypeStruct((outer + dense.size,), jnp.float32),
       vmap_method="sequential",
-  )(factor, dense.reshape(-1), *[run.reshape(-1) for run in runs], groups=flat_groups,
+  )(factor, dense.reshape(-1), *runs, groups=flat_groups,
     scales=scales, rank=np.int64(rank), transposed=np.int64(transposed), unit=np.int64(unit))
 
 
@@ -514,22 +517,18 @@ def lowrank_residual(buffer: jax.Array, runs: Sequence[jax.Array], p: jax.Array,
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
-  _check_available()
-  flat_groups = _shapes(groups)
-  rank = checks.check_number(rank, "rank", integer=True, low=1)
-  runs = list(runs)
+  runs, flat_groups, rank = _checked_runs(runs, groups, rank)
   size = sum(g * rows * cols for g, rows, cols in groups)
   p_size = sum(g * rows for g, rows, _ in groups) * rank
   q_size = sum(g * cols for g, _, cols in groups) * rank
-  if (len(runs) != len(groups) or buffer.ndim != 1 or buffer.size < size
-      or p.shape != (p_size,) or q.shape != (q_size,)):
-    raise ValueError(f"one run per group, `buffer` f32[>= {size}], `p` f32[{p_size}] and `q`"
-                     f" f32[{q_size}]; got {len(runs)} runs, {list(buffer.shape)},"
-                     f" {list(p.shape)}, {list(q.shape)}")
+  if buffer.ndim != 1 or buffer.size < size or p.shape != (p_size,) or q.shape != (q_size,):
+    raise ValueError(f"`buffer` must be f32[>= {size}], `p` f32[{p_size}] and `q`"
+                     f" f32[{q_size}]; got {list(buffer.shape)}, {list(p.shape)},"
+                     f" {list(q.shape)}")
   return jax.ffi.ffi_call(
       "jaxcomp_lowrank_residual", jax.ShapeDtypeStruct(buffer.shape, jnp.float32),
       vmap_method="sequential", input_output_aliases={0: 0},
-  )(buffer, p, q, *[run.reshape(-1) for run in runs], groups=flat_groups, rank=np.int64(rank))
+  )(buffer, p, q, *runs, groups=flat_groups, rank=np.int64(rank))
 
 
 def densify_leaves(values: jax.Array, indices: jax.Array, sizes: Sequence[int],

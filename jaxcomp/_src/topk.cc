@@ -597,6 +597,29 @@ struct Leaf {
   int64_t rows, cols, in, out;
 };
 
+// Every matrix of a method's runs (one per group), in order, into `leaves` (their
+// offsets left 0 for the caller), or an error where the runs do not fit the groups.
+ffi::Error RunMatrices(ffi::Span<const int64_t> groups_attr, ffi::RemainingArgs& runs, int64_t r,
+                       std::vector<Leaf>* leaves) {
+  const std::vector<Group> groups = Groups(groups_attr);
+  if (groups.empty() || groups.size() != runs.size() || r < 1) {
+    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
+    if (!run.has_value()) return run.error();
+    const Group& group = groups[g];
+    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
+      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
+    }
+    for (int64_t c = 0; c < group.count; ++c) {
+      leaves->push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
+                         0, 0});
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // jaxcomp/_src/binade.py's unit_factor of a magnitude given as its bits (NaN's above
 // inf's): the power of two that brings it into [1, 2), kept a normal float.
 float UnitFactor(int32_t magnitude_bits) {
@@ -697,25 +720,14 @@ ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32
                               ffi::RemainingArgs runs, ffi::Span<const int64_t> groups_attr,
                               ffi::Span<const float> scales, int64_t r, int64_t transposed,
                               int64_t unit, ffi::ResultBuffer<ffi::F32> out) {
-  const std::vector<Group> groups = Groups(groups_attr);
-  if (groups.empty() || groups.size() != runs.size() || r < 1) {
-    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
-  }
   std::vector<Leaf> leaves;
+  if (ffi::Error error = RunMatrices(groups_attr, runs, r, &leaves); error.failure()) return error;
   int64_t in_size = 0, out_size = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
-    if (!run.has_value()) return run.error();
-    const Group& group = groups[g];
-    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
-      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
-    }
-    for (int64_t c = 0; c < group.count; ++c) {
-      leaves.push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
-                        in_size, out_size});
-      in_size += (transposed ? group.rows : group.cols) * r;
-      out_size += (transposed ? group.cols : group.rows) * r;
-    }
+  for (Leaf& leaf : leaves) {
+    leaf.in = in_size;
+    leaf.out = out_size;
+    in_size += (transposed ? leaf.rows : leaf.cols) * r;
+    out_size += (transposed ? leaf.cols : leaf.rows) * r;
   }
   const int64_t count = static_cast<int64_t>(leaves.size());
   const int64_t dense_size = static_cast<int64_t>(dense.element_count());
@@ -881,29 +893,18 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
                                ffi::Buffer<ffi::F32> q, ffi::RemainingArgs runs,
                                ffi::Span<const int64_t> groups_attr, int64_t r,
                                ffi::ResultBuffer<ffi::F32> out) {
-  const std::vector<Group> groups = Groups(groups_attr);
-  if (groups.empty() || groups.size() != runs.size() || r < 1) {
-    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
-  }
   std::vector<Leaf> leaves;
+  if (ffi::Error error = RunMatrices(groups_attr, runs, r, &leaves); error.failure()) return error;
   std::vector<int64_t> q_offsets;
   int64_t p_size = 0, q_size = 0, size = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
-    if (!run.has_value()) return run.error();
-    const Group& group = groups[g];
-    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
-      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
-    }
-    for (int64_t c = 0; c < group.count; ++c) {
-      // `in`: the leaf's P; `out`: where its residual starts.
-      leaves.push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
-                        p_size, size});
-      q_offsets.push_back(q_size);
-      p_size += group.rows * r;
-      q_size += group.cols * r;
-      size += group.rows * group.cols;
-    }
+  for (Leaf& leaf : leaves) {
+    // `in`: where the leaf's P starts; `out`: where its residual does.
+    leaf.in = p_size;
+    leaf.out = size;
+    q_offsets.push_back(q_size);
+    p_size += leaf.rows * r;
+    q_size += leaf.cols * r;
+    size += leaf.rows * leaf.cols;
   }
   if (static_cast<int64_t>(p.element_count()) != p_size ||
       static_cast<int64_t>(q.element_count()) != q_size ||
