@@ -931,13 +931,13 @@ def acpsgd(
 
     p_mean, q_mean, p_sent, q_sent, dense_mean, *fresh_old = ctx.switch(
         (p_step, q_step), corrected)
-    fresh = _refill(*fresh_old) if columns else (p_mean, q_mean)
+    reduced = _refill(*fresh_old) if columns else (p_mean, q_mean)
     return protocol.Output(
         mean=_mean_of(view, p_mean, q_mean, dense_mean),
         residual=lambda: _residual(view, corrected, p_sent, q_sent),
         witness=(p_mean, q_mean, dense_mean),
         message=jnp.concatenate([p_mean, q_mean, dense_mean]),
-        finish=_Renewal(view, fresh, ctx.form == 0, state.p, state.q))
+        finish=_Renewal(view, reduced, ctx.form == 0, state.p, state.q))
 
   def wire_cost(bucket, sizes, steps):
     del steps

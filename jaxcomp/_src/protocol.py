@@ -231,23 +231,21 @@ class Later(NamedTuple):
   received: Any
 
   @staticmethod
-  def densified(values: jax.Array, indices: jax.Array, n: Union[int, fusion.Bucket],
+  def densified(values: jax.Array, indices: jax.Array, bucket: fusion.Bucket,
                 received: Any) -> "Later":
-    """The scatter-add of sparse ``values`` at ``indices`` into ``f32[n]``
+    """The scatter-add of sparse ``values`` at ``indices`` into ``f32[bucket.size]``
     (:func:`jaxcomp.collectives.densify`), its zeros made from ``after``.
 
-    ``n`` a bucket (its leaves' entries together): made with ``after`` where
-    the native custom calls run, one f32 array per leaf, each written once by
-    one call (:func:`jaxcomp._src.native.densify_leaves`, the same bits), where
-    XLA:CPU writes the zeros of the whole vector, scatters into it, and copies
-    each leaf out of it: 2 passes over the gradient and a kernel per leaf more.
+    Made with ``after`` where the native custom calls run: one f32 array per
+    leaf of ``bucket``, each written once by one call
+    (:func:`jaxcomp._src.native.densify_leaves`, the same bits), where XLA:CPU
+    writes the zeros of the whole vector, scatters into it, and copies each
+    leaf out of it: 2 passes over the gradient and a kernel per leaf more.
     """
     def make(after):
-      if isinstance(n, fusion.Bucket):
-        if after is not None and selection.native_route():
-          return list(native.densify_leaves(values, indices, n.sizes, after))
-        return collectives.densify(values, indices, n.size, after)
-      return collectives.densify(values, indices, n, after)
+      if after is not None and selection.native_route():
+        return list(native.densify_leaves(values, indices, bucket.sizes, after))
+      return collectives.densify(values, indices, bucket.size, after)
 
     return Later(make, received)
 
