@@ -17,7 +17,7 @@ columns of every leaf are orthonormalised in one zero-padded batch
 (:meth:`MatrixView.columns`), so neither does the orthonormalisation. On CPU,
 where the custom calls of :mod:`jaxcomp._src.native` are built, a bucket's
 products, its factors' columns and its residual are one call each
-(:func:`_product`, :func:`_orthonormal`, :func:`_residual`): a few kernels a
+(:func:`_product`, :func:`_factor_columns`, :func:`_residual`): a few kernels a
 bucket, not a few per group.
 
 Both methods give a finite, correct mean whenever its rank-one terms fit in
@@ -438,22 +438,31 @@ def _product(view: MatrixView, runs: tuple[jax.Array, ...], factor: jax.Array,
   return products if dense is None else jnp.concatenate([products, dense])
 
 
-def _orthonormal(view: MatrixView, flat: jax.Array, factor: str,
-                 old: Optional[jax.Array] = None) -> jax.Array:
-  """The flat ``P`` (``factor="p"``) or ``Q`` buffer with each leaf's columns
-  orthonormalised (:func:`_orthonormalize`), a column that is all zero first replaced
-  by ``old``'s (:func:`_refill`) where ``old`` is given.
+def _factor_columns(view: MatrixView, flat: jax.Array, factor: str, *,
+                    old: Optional[jax.Array] = None, scales: Optional[list[float]] = None,
+                    orthonormalize: bool = True) -> jax.Array:
+  """The flat ``P`` (``factor="p"``) or ``Q`` buffer worked on column by column, in order:
+  with ``scales`` (one per group), each column times its group's scale where all of
+  that product is finite; with ``old``, a column that is all zero replaced by ``old``'s
+  (:func:`_refill`); with ``orthonormalize``, each leaf's columns orthonormalised
+  (:func:`_orthonormalize`).
 
   Where :func:`_native` holds, one custom call (:func:`jaxcomp._src.native.factor_columns`,
   in float64, so no column is rescaled), where XLA makes about six kernels per column
-  of the factors and a gather on either side.
+  of the factors and a gather on either side (every leaf in one batch,
+  :meth:`MatrixView.columns`).
   """
   if _native(view):
-    return native.factor_columns(flat, view.lengths(factor), view.rank, old=old)
+    return native.factor_columns(flat, view.lengths(factor), view.rank, old=old,
+                                 scales=None if scales is None else view.per_leaf(scales),
+                                 orthonormalize=orthonormalize)
   columns = view.columns(flat, factor)
+  if scales is not None:
+    full = columns * view.per_leaf(scales)
+    columns = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, columns)
   if old is not None:
     columns = _refill(columns, view.columns(old, factor))
-  return view.uncolumns(_orthonormalize(columns), factor)
+  return view.uncolumns(_orthonormalize(columns) if orthonormalize else columns, factor)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -671,7 +680,7 @@ def powersgd(
     reduced = ctx.mean(_product(view, corrected, q_start,
                                 [0.25 / h**2 for h in view.headroom("q")], corrected[-1],
                                 unit=True))
-    p_hat = _orthonormal(view, reduced[:view.p_size], "p")
+    p_hat = _factor_columns(view, reduced[:view.p_size], "p")
     # A column of M_i^T P^ reaches sqrt(rows) times the largest entry of M_i: it is
     # taken with P^ / h and sent so; P^ h stands beside it in every product.
     p_room = view.headroom("p")
@@ -680,17 +689,8 @@ def powersgd(
     p_flat = p_hat * view.per_entry(p_room, "p")
     # The state holds the reduced Q itself where its column fits in f32, and the
     # column as sent where it does not (the warm start reads its direction only).
-    # Column by column, every leaf in one batch (:meth:`MatrixView.columns`), or the
-    # custom call's one pass.
-    if _native(view):
-      new_q = native.factor_columns(q_mean, view.lengths("q"), rank, old=q_start,
-                                    scales=view.per_leaf(p_room),
-                                    orthonormalize=False)
-    else:
-      sent = view.columns(q_mean, "q")
-      full = sent * view.per_leaf(p_room)
-      kept = jnp.where(jnp.all(jnp.isfinite(full), axis=-1, keepdims=True), full, sent)
-      new_q = view.uncolumns(_refill(kept, view.columns(q_start, "q")), "q")
+    new_q = _factor_columns(view, q_mean, "q", old=q_start, scales=p_room,
+                            orthonormalize=False)
     dense_mean = reduced[view.p_size:]
     return protocol.Output(
         mean=_mean_of(view, p_flat, q_mean, dense_mean),
@@ -755,8 +755,8 @@ def _renew(renewals: list[_Renewal]) -> list[dict[str, jax.Array]]:
     r = renewals[i]
     p_mean, q_mean = r.reduced
     # A form picked on the host renews its own factor only.
-    p = r.p if r.even is False else _orthonormal(r.view, p_mean, "p", r.p)
-    q = r.q if r.even is True else _orthonormal(r.view, q_mean, "q", r.q)
+    p = r.p if r.even is False else _factor_columns(r.view, p_mean, "p", old=r.p)
+    q = r.q if r.even is True else _factor_columns(r.view, q_mean, "q", old=r.q)
     renewed[i] = {"p": jnp.where(r.even, p, r.p), "q": jnp.where(r.even, r.q, q)}
   columns = [i for i in range(len(renewals)) if i not in apart]
   lengths = {i: renewals[i].reduced.shape[-1] for i in columns}

@@ -159,6 +159,17 @@ void InHalves(int64_t count, int64_t entries, Body body) {
   }
 }
 
+// Runs `each(j, from, to)` for each of the first `parts` parts laid end to end (part j
+// spans [starts[j], starts[j + 1])) that meets [begin, end): [from, to) is where.
+template <typename Each>
+void OverParts(const std::vector<int64_t>& starts, size_t parts, int64_t begin, int64_t end,
+               Each each) {
+  for (size_t j = 0; j < parts; ++j) {
+    const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
+    if (from < to) each(j, from, to);
+  }
+}
+
 std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
   std::vector<int32_t> first;
   if (n < kSplitAbove) {
@@ -546,10 +557,9 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
   const float* add = given == 0 ? nullptr : residual.typed_data();
   // Positions [begin, end) of the output, part by part.
   auto fill = [&](int64_t begin, int64_t end) {
-    for (size_t j = 0; j < count; ++j) {
-      const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
-      if (from < to) CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
-    }
+    OverParts(starts, count, begin, end, [&](size_t j, int64_t from, int64_t to) {
+      CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
+    });
   };
   // With the blocks' maxima: whole blocks at a time, each tile's maxima taken while it
   // is still in cache (about 4,096 entries a tile).
@@ -701,18 +711,23 @@ void InHalvesByCost(const std::vector<int64_t>& costs, Body body) {
   }
 }
 
-// Runs `each(leaf, from, to)` on the units [begin, end) of the leaves laid end to end,
-// `units(leaf)` of each.
-template <typename Units, typename Each>
-void OverLeaves(const std::vector<Leaf>& leaves, int64_t begin, int64_t end, Units units,
-                Each each) {
-  int64_t start = 0;
+// Where each leaf's units (`units(leaf)` of them: its rows, or its columns) start when
+// the leaves' are laid end to end, then their count; and each unit's cost, `cost(leaf)`.
+template <typename Units, typename Cost>
+std::vector<int64_t> UnitStarts(const std::vector<Leaf>& leaves, Units units, Cost cost,
+                                std::vector<int64_t>* costs) {
+  std::vector<int64_t> starts = {0};
   for (const Leaf& leaf : leaves) {
-    const int64_t n = units(leaf);
-    const int64_t from = std::max(begin, start) - start;
-    const int64_t to = std::min(end, start + n) - start;
-    if (from < to) each(leaf, from, to);
-    start += n;
+    starts.push_back(starts.back() + units(leaf));
+    costs->insert(costs->end(), units(leaf), cost(leaf));
+  }
+  return starts;
+}
+
+// Each leaf's factor (n x r, row-major, at `f`) as r rows of its n columns' entries.
+void AsRows(const float* f, int64_t n, int64_t r, float* rows) {
+  for (int64_t k = 0; k < n; ++k) {
+    for (int64_t j = 0; j < r; ++j) rows[j * n + k] = f[k * r + j];
   }
 }
 
@@ -762,34 +777,32 @@ ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32
       }
     }
     std::vector<int64_t> costs;
+    const auto rows = [](const Leaf& leaf) { return leaf.rows; };
+    const auto cols = [](const Leaf& leaf) { return leaf.cols; };
     if (!transposed) {
       // Each leaf's factor as r rows of its columns' entries; the matrices' rows in two
       // halves of about equal work.
       std::vector<float> columns(in_size);
       for (const Leaf& leaf : leaves) {
-        for (int64_t k = 0; k < leaf.cols; ++k) {
-          for (int64_t j = 0; j < r; ++j) {
-            columns[leaf.in + j * leaf.cols + k] = scaled[leaf.in + k * r + j];
-          }
-        }
-        costs.insert(costs.end(), leaf.rows, leaf.cols);
+        AsRows(scaled.data() + leaf.in, leaf.cols, r, columns.data() + leaf.in);
       }
+      const std::vector<int64_t> starts = UnitStarts(leaves, rows, cols, &costs);
       InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
-        OverLeaves(leaves, begin, end, [](const Leaf& leaf) { return leaf.rows; },
-                   [&](const Leaf& leaf, int64_t from, int64_t to) {
-                     LeftRows(leaf.m, leaf.cols, columns.data() + leaf.in, r, from, to,
-                              result + leaf.out);
-                   });
+        OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
+          const Leaf& leaf = leaves[a];
+          LeftRows(leaf.m, leaf.cols, columns.data() + leaf.in, r, from - starts[a],
+                   to - starts[a], result + leaf.out);
+        });
       });
     } else {
       // The matrices' columns in two halves of about equal work.
-      for (const Leaf& leaf : leaves) costs.insert(costs.end(), leaf.cols, leaf.rows);
+      const std::vector<int64_t> starts = UnitStarts(leaves, cols, rows, &costs);
       InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
-        OverLeaves(leaves, begin, end, [](const Leaf& leaf) { return leaf.cols; },
-                   [&](const Leaf& leaf, int64_t from, int64_t to) {
-                     RightColumns(leaf.m, leaf.rows, leaf.cols, scaled.data() + leaf.in, r,
-                                  from, to, result + leaf.out);
-                   });
+        OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
+          const Leaf& leaf = leaves[a];
+          RightColumns(leaf.m, leaf.rows, leaf.cols, scaled.data() + leaf.in, r,
+                       from - starts[a], to - starts[a], result + leaf.out);
+        });
       });
     }
     if (dense_size > 0) std::memcpy(result + out_size, dense.typed_data(), dense_size * sizeof(float));
@@ -921,32 +934,25 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
     if (result != buffer.typed_data()) {
       std::memcpy(result, buffer.typed_data(), buffer.element_count() * sizeof(float));
     }
-    // Each leaf's Q as r rows of its columns' entries.
+    // Each leaf's Q as r rows of its columns' entries; the matrices' rows in two halves
+    // of about equal work.
     std::vector<float> columns(q_size);
-    std::vector<int64_t> costs;
     for (size_t a = 0; a < leaves.size(); ++a) {
-      for (int64_t k = 0; k < leaves[a].cols; ++k) {
-        for (int64_t j = 0; j < r; ++j) {
-          columns[q_offsets[a] + j * leaves[a].cols + k] = factor_q[q_offsets[a] + k * r + j];
-        }
-      }
-      costs.insert(costs.end(), leaves[a].rows, leaves[a].cols);
+      AsRows(factor_q + q_offsets[a], leaves[a].cols, r, columns.data() + q_offsets[a]);
     }
+    std::vector<int64_t> costs;
+    const std::vector<int64_t> starts = UnitStarts(
+        leaves, [](const Leaf& leaf) { return leaf.rows; },
+        [](const Leaf& leaf) { return leaf.cols; }, &costs);
     InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
-      int64_t start = 0;
-      for (size_t a = 0; a < leaves.size(); ++a) {
+      OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
         const Leaf& leaf = leaves[a];
-        const int64_t from = std::max(begin, start) - start;
-        const int64_t to = std::min(end, start + leaf.rows) - start;
-        start += leaf.rows;
-        const float* qt = columns.data() + q_offsets[a];
-        for (int64_t i = from; i < to; ++i) {
-          const float* row = leaf.m + i * leaf.cols;
-          const float* pi = factor_p + leaf.in + i * r;
-          float* written = result + leaf.out + i * leaf.cols;
-          ResidualRow(row, pi, qt, leaf.cols, r, written);
+        for (int64_t i = from - starts[a]; i < to - starts[a]; ++i) {
+          ResidualRow(leaf.m + i * leaf.cols, factor_p + leaf.in + i * r,
+                      columns.data() + q_offsets[a], leaf.cols, r,
+                      result + leaf.out + i * leaf.cols);
         }
-      }
+      });
     });
   });
 }
@@ -977,10 +983,9 @@ ffi::Error DensifyLeavesImpl(ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32>
   const int64_t count = static_cast<int64_t>(values.element_count());
   return Guarded("jaxcomp_densify_leaves", [&] {
     InHalves(n, n, [&](int64_t begin, int64_t end) {
-      for (size_t j = 0; j < out.size(); ++j) {
-        const int64_t from = std::max(begin, starts[j]), to = std::min(end, starts[j + 1]);
-        if (from < to) std::fill(out[j] + (from - starts[j]), out[j] + (to - starts[j]), 0.0f);
-      }
+      OverParts(starts, out.size(), begin, end, [&](size_t j, int64_t from, int64_t to) {
+        std::fill(out[j] + (from - starts[j]), out[j] + (to - starts[j]), 0.0f);
+      });
     });
     for (int64_t i = 0; i < count; ++i) {
       const int64_t position = positions[i];
