@@ -23,6 +23,7 @@ from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
 from jaxcomp._src import lowrank
 from jaxcomp._src import native
+from jaxcomp._src import qsgd
 from jaxcomp._src import selection
 from jaxcomp._src import sparseloco
 from jaxcomp._src import two_hop
@@ -452,8 +453,10 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
   # quantized and sparseloco pad the bucket (to whole blocks, to whole chunks). One
   # call: the one bucket's, or the first bucket's (the second's 3 leaves fuse in XLA).
   # The low-rank products, orthonormalisations and residual by XLA on both routes
-  # (their calls sum in another order: tests/test_lowrank.py compares them).
+  # (their calls sum in another order: tests/test_lowrank.py compares them), and so
+  # are QSGD's norms (tests/test_qsgd.py compares them).
   monkeypatch.setattr(lowrank, "_native", lambda view: False)
+  monkeypatch.setattr(qsgd, "_native_norms", lambda: False)
 
   def run(native_route):
     monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
@@ -852,3 +855,106 @@ def _densified_flat(values, indices, sizes, after=None):
   flat = collectives.densify(values, indices, sum(sizes), after)
   offsets = np.cumsum((0,) + tuple(sizes))
   return tuple(flat[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+
+
+@st.composite
+def _norm_blocks(draw):
+  """``f32[m * block]``: blocks of 1 to 40 entries (tails past the eight lanes), each of
+  one scale (tiny, ordinary, or past 1.8e19, whose squares overflow), zeros among
+  them, and at times a NaN or an infinity. Scales whose squares stay normal: numpy
+  keeps subnormals, the call (in XLA:CPU's thread) flushes them."""
+  m, block = draw(st.integers(1, 6)), draw(st.integers(1, 40))
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  scales = np.asarray(draw(st.lists(st.sampled_from([0.0, 1e-15, 1.0, 3e4, 1e20, 4e37]),
+                                    min_size=m, max_size=m)), np.float32)
+  x = (rng.uniform(0.5, 1.0, (m, block)) * rng.choice([-1.0, 1.0], (m, block))
+       * scales[:, None]).astype(np.float32)
+  x[rng.random((m, block)) < 0.2] = 0.0
+  special = draw(st.sampled_from([None, np.nan, np.inf, -np.inf]))
+  if special is not None:
+    x.reshape(-1)[draw(st.integers(0, m * block - 1))] = special
+  return x.reshape(-1), block
+
+
+def _norms_reference(x, block):
+  """:func:`native.block_norms`'s stated steps in numpy: each block's squares (times its
+  unit factor, on the scaled route) summed in eight interleaved lanes joined pairwise,
+  then the tail; the scaled route for every block where any plain norm is not finite."""
+  blocks = x.reshape(-1, block)
+
+  def sums(f):
+    squares = (blocks * f) * (blocks * f)
+    whole = block - block % 8
+    lanes = np.zeros((len(blocks), 8), np.float32)
+    for k in range(0, whole, 8):
+      lanes += squares[:, k:k + 8]
+    tail = np.zeros(len(blocks), np.float32)
+    for k in range(whole, block):
+      tail += squares[:, k]
+    l = lanes.T
+    return (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))) + tail
+
+  with np.errstate(over="ignore", invalid="ignore"):
+    norms = np.sqrt(sums(np.float32(1)))
+    if not np.isfinite(norms).all():
+      keys = np.minimum(np.abs(blocks).view(np.int32), np.int32(0x7F800000))
+      f = np.array([_unit_factor(row) for row in keys.view(np.float32)], np.float32)[:, None]
+      norms = np.sqrt(sums(f)) / f[:, 0]
+    divisor = np.where(norms == 0, np.float32(1), norms)
+    inverses = np.float32(1) / (divisor * np.array([_unit_factor(d) for d in divisor[:, None]],
+                                                  np.float32))
+  return norms, inverses
+
+
+@harness.needs_native
+@hypothesis.given(_norm_blocks())
+def test_the_block_norms_call_follows_its_stated_steps(case):
+  x, block = case
+  norms, inverses = jax.jit(lambda x: native.block_norms(x, block))(x)
+  want_norms, want_inverses = _norms_reference(x, block)
+  np.testing.assert_array_equal(np.asarray(norms).view(np.uint32), want_norms.view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(inverses).view(np.uint32),
+                                want_inverses.view(np.uint32))
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(1, 9), st.integers(0, 2))
+def test_the_corrected_call_s_block_norms_are_the_norm_call_s_of_its_sum(
+    case, with_residual, block, extra):
+  leaves, residual = case
+  residual = residual if with_residual else None
+  length = (-(-sum(leaf.size for leaf in leaves) // block) + extra) * block
+  hypothesis.assume(length > 0)
+  total, norms, inverses = jax.jit(
+      lambda ls, r: native.corrected(ls, r, length, block=block, norms=True))(leaves, residual)
+  np.testing.assert_array_equal(np.asarray(total).view(np.uint32),
+                                _fused_sum(leaves, residual, length).view(np.uint32))
+  by_call = jax.jit(lambda x: native.block_norms(x, block))(total)
+  chex.assert_trees_all_equal((norms, inverses), by_call)
+
+
+@harness.needs_native
+def test_the_block_norms_of_two_threads_meet_exactly():
+  # 2.4M entries: two threads, each half's plain norms, then (one block of 1e37) every
+  # block's scaled norm, again on two threads.
+  x = np.random.default_rng(5).normal(size=4800 * 512).astype(np.float32)
+  for overflowing in (False, True):
+    if overflowing:
+      x[1000 * 512:1001 * 512] = np.float32(1e37)
+    got = jax.jit(lambda x: native.block_norms(x, 512))(x)
+    for got_part, want_part in zip(got, _norms_reference(x, 512)):
+      np.testing.assert_array_equal(np.asarray(got_part).view(np.uint32), want_part.view(np.uint32))
+    total, *figures = jax.jit(lambda x: native.corrected([x], None, block=512, norms=True))(x)
+    chex.assert_trees_all_equal(tuple(figures), got)
+
+
+@harness.needs_native
+def test_the_block_norms_call_refuses_what_is_not_whole_blocks_by_name():
+  with pytest.raises(ValueError, match="`x` must be f32 of whole blocks of 4"):
+    native.block_norms(jnp.ones(6), 4)
+  with pytest.raises(ValueError, match="`x` must be f32"):
+    native.block_norms(jnp.ones(8, jnp.bfloat16), 4)
+  with pytest.raises(ValueError, match="`block`"):
+    native.block_norms(jnp.ones(8), 0)
+  with pytest.raises(ValueError, match="`norms` needs a `block`"):
+    native.corrected([jnp.ones(8)], None, norms=True)

@@ -1,5 +1,7 @@
 """QSGD against a numpy oracle of its rule, and its statistics (8 fake CPU devices)."""
 
+from unittest import mock
+
 import chex
 import hypothesis
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from experiments import hlo_counts
 from jaxcomp._src import draws
 from jaxcomp._src import qsgd
 from jaxcomp._src import quantized
+from jaxcomp._src import selection
 from jaxcomp import training
 from jaxcomp import wire
 
@@ -50,8 +53,15 @@ def _uniform(seed, device, hop, n):
   return np.asarray(draws.uniform(draw, n, 2 * device + hop))
 
 
+@pytest.fixture(params=harness.NATIVE_ROUTES, ids=["native", "xla"])
+def route(request, monkeypatch):
+  """Both routes of the norms: the custom call's and JAX's (five kernels and a branch)."""
+  monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=request.param))
+  return request.param
+
+
 @pytest.mark.parametrize("magnitude", [1e-15, 1.0, 1e30, 4e37])
-def test_levels_round_the_share_of_the_norm_at_any_scale(magnitude):
+def test_levels_round_the_share_of_the_norm_at_any_scale(magnitude, route):
   """``s |x_i| / ||x_b||``, rounded down or up, at any scale whose norm fits in f32: at
   4e37, ``s |x_i|`` overflows and the norm's reciprocal (below ``2**-126``) flushes to
   zero, so neither may be formed."""
@@ -72,18 +82,19 @@ def test_levels_round_the_share_of_the_norm_at_any_scale(magnitude):
 
 
 @pytest.mark.parametrize("overflowing", [0, 3, 6])
-def test_one_block_whose_squares_overflow_takes_every_norm_to_the_scaled_route(overflowing):
+def test_one_block_whose_squares_overflow_takes_every_norm_to_the_scaled_route(
+    overflowing, route):
   """One block of entries near 4e37 (its squares overflow) among blocks of ordinary
   entries, wherever it lies: every norm is right, the large one not ``inf``."""
   block = 64
   x = np.random.default_rng(1).normal(size=(7, block)).astype(np.float32)
   x[overflowing] = np.float32(4e37) * np.sign(x[overflowing])
-  norms = np.asarray(jax.jit(qsgd._norms)(x), np.float64)
+  norms = np.asarray(jax.jit(qsgd._norms)(x)[0], np.float64)
   np.testing.assert_allclose(norms, np.sqrt((x.astype(np.float64) ** 2).sum(axis=1)),
                              rtol=1e-5)
 
 
-def test_gradients_near_the_largest_norm_give_their_mean():
+def test_gradients_near_the_largest_norm_give_their_mean(route):
   """Entries of 4e37 in blocks of 64 (norm 3.2e38, just inside f32): the mean is the
   gradient within QSGD's rounding, on both hops, not an overflowed level nor a zero
   from a flushed reciprocal."""
@@ -97,7 +108,7 @@ def test_gradients_near_the_largest_norm_give_their_mean():
   np.testing.assert_allclose(np.asarray(out["w"], np.float64), 4e37, rtol=0.15)
 
 
-def test_a_block_whose_norm_exceeds_f32_decodes_non_finite():
+def test_a_block_whose_norm_exceeds_f32_decodes_non_finite(route):
   """No f32 norm carries a block of 64 entries of 1e38 (norm 8e38): it decodes to
   non-finite values, so the step is dropped, never to zeros."""
   x = jnp.full((128,), 1e38, jnp.float32)
@@ -108,7 +119,7 @@ def test_a_block_whose_norm_exceeds_f32_decodes_non_finite():
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
-def test_mean_and_residual_equal_the_numpy_oracle(error_feedback):
+def test_mean_and_residual_equal_the_numpy_oracle(error_feedback, route):
   mesh = training.make_mesh(8)
   tx = jaxcomp.qsgd(LEVELS, "data", bucket_size=BUCKET, error_feedback=error_feedback, seed=SEED)
   state = training.init_state(tx, PARAMS, mesh, "data")
@@ -186,19 +197,23 @@ def test_bytes_fall_like_a_dense_all_reduce():
     positions=st.lists(st.integers(0, 64 * 80 + 16), min_size=1, max_size=3, unique=True),
     seed=st.integers(0, 2**16))
 @pytest.mark.parametrize("codec", ["qsgd", "int8", "int4"])
-def test_a_non_finite_entry_makes_its_block_decode_non_finite(codec, bad, positions, seed):
+@pytest.mark.parametrize("native_route", harness.NATIVE_ROUTES)
+def test_a_non_finite_entry_makes_its_block_decode_non_finite(
+    codec, native_route, bad, positions, seed):
   """What ``payload_carries_nonfinite`` rests on for the two-hop quantizers: a
   NaN or an infinity anywhere (the first entry of a block included, where
   XLA:CPU's vectorised ``max`` drops a NaN) gives its block a non-finite
   scale, and the block decodes to non-finite values; the other blocks stay
   finite. Sizes where XLA:CPU does reduce with its vectorised kernels."""
   block, size, n = 64, 88 * 64, 64 * 80 + 17
+  tuning = selection.Tuning(native=native_route)
   codec = {"qsgd": lambda: qsgd._codec(LEVELS, block, jax.random.key(3), 1),
            "int8": lambda: quantized._codec(8, block),
            "int4": lambda: quantized._codec(4, block)}[codec]()
   x = np.random.default_rng(seed).normal(size=n).astype(np.float32) * np.float32(1e30)
   x[positions] = bad
-  payload, scales = jax.jit(lambda x: codec.encode(jnp.pad(x, (0, size - n)), 0))(x)
+  with mock.patch.dict(selection._BY_BACKEND, {"cpu": tuning}):
+    payload, scales = jax.jit(lambda x: codec.encode(jnp.pad(x, (0, size - n)), 0))(x)
   decoded = np.asarray(codec.decode(payload, scales)).reshape(-1, block)
   hit = np.zeros(size // block, bool)
   hit[np.asarray(positions) // block] = True
@@ -254,3 +269,39 @@ def test_one_device_sends_its_payload_as_a_buffer_with_the_same_bits(
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
+
+
+# Twelve leaves: more than XLA:CPU fuses into a concatenation's reader, so the
+# corrected gradient is the custom call's. With buckets of 0.02 MiB, the first
+# bucket holds nine of them (the call's), the second three (fused in XLA).
+_TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
+
+
+@harness.needs_native
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, monkeypatch):
+  """The native route against JAX's over two steps on 8 devices: a bucket's first-hop
+  norms from the corrected gradient's call where it sums the bucket (else from a norms
+  call), its second hop's from a norms call, and no branch of the norms; the means, the
+  norms (the step's scales) and the residuals agree to rounding. The calls sum the
+  squares in their own order, so a norm may move by an ulp or two (which moves a level
+  only where a draw lies that close to its threshold: no entry of these data)."""
+  one = bucket_cap_mb is None
+
+  def run(native_route):
+    monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
+    runs = harness.run_two_steps(
+        lambda axis: jaxcomp.qsgd(LEVELS, axis, bucket_size=64, error_feedback=error_feedback,
+                                  bucket_cap_mb=bucket_cap_mb), _TWELVE, 8, ("data",))
+    text = runs["compiled"].as_text()
+    calls = (text.count('custom_call_target="jaxcomp_corrected"'),
+             text.count('custom_call_target="jaxcomp_block_norms"'))
+    return calls, text.count(" conditional("), runs["outs"], runs["rows"]
+
+  calls, branches, *by_call = run(True)
+  assert calls == ((1, 1) if one else (1, 3))
+  xla_calls, xla_branches, *by_xla = run(False)
+  assert xla_calls == (0, 0)
+  assert xla_branches - branches == (2 if one else 4)  # the norms' branch on each hop
+  chex.assert_trees_all_close(by_call, by_xla, rtol=1e-6, atol=1e-6)

@@ -24,7 +24,11 @@ call a bucket each, where XLA:CPU makes a few kernels per group of equal-shaped
 matrices; not XLA's order of sums, so those two routes agree to rounding, not
 bit for bit), and for a sparsifier's mean, written into its bucket's leaves
 (:func:`densify_leaves`: one kernel that writes each leaf once, where XLA:CPU
-writes the whole vector's zeros, scatters into it and copies each leaf out).
+writes the whole vector's zeros, scatters into it and copies each leaf out), and
+for QSGD's norms of its blocks (:func:`block_norms`, and taken by the corrected
+gradient's call in its own pass: one kernel where XLA:CPU made five and a branch
+per hop and bucket; its squares summed in a fixed order, not XLA's, so the
+routes agree to rounding).
 Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
 route: the exact top-k of ResNet-50's 25.6M
 entries at density 0.001 in 8.1-8.7 ms against 21-22, of a 25 MiB bucket of
@@ -73,7 +77,8 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_lowrank_product": "JaxcompLowrankProduct",
             "jaxcomp_factor_columns": "JaxcompFactorColumns",
             "jaxcomp_lowrank_residual": "JaxcompLowrankResidual",
-            "jaxcomp_densify_leaves": "JaxcompDensifyLeaves"}
+            "jaxcomp_densify_leaves": "JaxcompDensifyLeaves",
+            "jaxcomp_block_norms": "JaxcompBlockNorms"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
@@ -332,7 +337,8 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
 
 
 def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int] = None,
-              *, parts: Optional[Sequence[int]] = None, block: Optional[int] = None):
+              *, parts: Optional[Sequence[int]] = None, block: Optional[int] = None,
+              norms: bool = False):
   """Error feedback's corrected gradient by the custom call (CPU only): the
   :func:`jaxcomp._src.protocol` route's bits, in one pass over the leaves.
 
@@ -347,6 +353,8 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
       (a method's runs, :attr:`jaxcomp.protocol.Method.runs`); ``None``: one.
     block: static, a divisor of ``length`` (not with ``parts``): also each
       block's largest magnitude, taken from the sum while it is in cache.
+    norms: with ``block``, each block's norm and its inverse (:func:`block_norms`)
+      instead of its largest magnitude.
 
   Returns:
     ``f32[length]`` (``parts``: a tuple of ``f32[size]`` that lie end to end
@@ -356,7 +364,8 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
     flushes subnormals, as its own addition does), then zeros. With
     ``block``, ``(sum, maxima)``: ``maxima`` ``f32[length / block]``, each
     block's :func:`jaxcomp._src.selection.max_magnitude` (NaN as ``inf``),
-    bit for bit.
+    bit for bit; with ``norms``, ``(sum, norms, inverses)``, :func:`block_norms`
+    of the sum.
 
   Raises:
     RuntimeError: the custom call is not :func:`available`.
@@ -377,18 +386,53 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
     block = checks.check_number(block, "block", integer=True, low=1)
     if parts is not None or length % block:
       raise ValueError(f"`block` {block} must divide `length` {length}, with no `parts`")
+  elif checks.check_bool(norms, "norms"):
+    raise ValueError("`norms` needs a `block`")
   if residual is None:
     residual = jnp.zeros((0,), jnp.float32)
   elif residual.shape != (n,) or residual.dtype != jnp.float32:
     raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
                      f" {residual.dtype}{list(residual.shape)}")
-  sizes = ((length,) if parts is None else parts) + (() if block is None else (length // block,))
+  figures = 0 if block is None else 2 if norms else 1
+  sizes = ((length,) if parts is None else parts) + (length // (block or 1),) * figures
   out = jax.ffi.ffi_call(
       "jaxcomp_corrected", tuple(jax.ShapeDtypeStruct((size,), jnp.float32) for size in sizes),
-      vmap_method="sequential")(residual, *leaves, block=np.int64(block or 0))
+      vmap_method="sequential")(residual, *leaves, block=np.int64(block or 0),
+                                norms=np.int64(figures == 2))
   if block is not None:
     return tuple(out)
   return out[0] if parts is None else tuple(out)
+
+
+def block_norms(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """QSGD's norm of each block of ``x`` (:func:`jaxcomp._src.qsgd.quantize`), and its
+  inverse, by the custom call (CPU only): one kernel where XLA:CPU makes five and a branch.
+
+  Args:
+    x: f32, ``m * block`` entries in all, read as ``m`` blocks end to end.
+    block: static, the entries of a block, ``>= 1``.
+
+  Returns:
+    ``(norms, inverses)``, f32 ``[m]`` each. ``norms``: each block's L2 norm from
+    its squares, or, where any block's is not finite, every block's from its
+    entries brought to their largest magnitude's unit binade
+    (:func:`jaxcomp._src.binade.unit_norm`, one route for all as the JAX
+    route takes); the squares summed in eight interleaved lanes joined
+    pairwise, then the block's tail (not XLA's order: the routes agree to
+    rounding). ``inverses``: ``1 / (d u)``, ``d`` the norm (1 for 0) and ``u``
+    its :func:`jaxcomp._src.binade.unit_factor`, what QSGD multiplies by.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  block = checks.check_number(block, "block", integer=True, low=1)
+  if x.dtype != jnp.float32 or x.size % block:
+    raise ValueError(f"`x` must be f32 of whole blocks of {block}, got"
+                     f" {x.dtype}{list(x.shape)}")
+  rows = jax.ShapeDtypeStruct((x.size // block,), jnp.float32)
+  return tuple(jax.ffi.ffi_call("jaxcomp_block_norms", (rows, rows), vmap_method="sequential")(
+      x.reshape(-1), block=np.int64(block)))
 
 
 def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, int]],

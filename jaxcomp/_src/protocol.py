@@ -104,11 +104,13 @@ class Context:
       (``update``'s ``compressor_form`` argument), else an int32 scalar
       computed from ``count`` (the same on every device). :meth:`switch`
       branches on it.
-    block_maxima: f32 ``[length / block]``, each block's largest ``|entry|``
-      of the corrected gradient (NaN counted as ``inf``,
-      :func:`jaxcomp._src.selection.max_magnitude`'s bits) for a method with
-      :attr:`Method.block_maxima`, where the native call formed it; else
-      ``None`` (the method takes them itself).
+    blocks: for a method with :attr:`Method.blocks`, each block's figures of
+      the corrected gradient where the native call formed them, f32
+      ``[length / block]`` each: ``(maxima,)``, the largest ``|entry|``
+      (NaN counted as ``inf``, :func:`jaxcomp._src.selection.max_magnitude`'s
+      bits), or with :attr:`Blocks.norms` ``(norms, inverses)``
+      (:func:`jaxcomp._src.native.block_norms`); else ``None`` (the method
+      takes them itself).
   """
 
   bucket: fusion.Bucket
@@ -120,7 +122,7 @@ class Context:
   finite: Optional[jax.Array] = None
   after: Optional[jax.Array] = None
   form: Any = None
-  block_maxima: Optional[jax.Array] = None
+  blocks: Optional[tuple[jax.Array, ...]] = None
 
   @property
   def num_devices(self) -> int:
@@ -322,6 +324,21 @@ class Output(NamedTuple):
   finish: Any = None
 
 
+class Blocks(NamedTuple):
+  """A codec's blocks, whose figures the native corrected call takes in its pass
+  (:attr:`Method.blocks`).
+
+  Attributes:
+    length: ``length(bucket, P) -> int``, a block length that divides the fused
+      gradient's.
+    norms: ``False``: each block's largest magnitude; ``True``: its norm and
+      that norm's inverse (:func:`jaxcomp._src.native.block_norms`, QSGD's).
+  """
+
+  length: Callable[[fusion.Bucket, int], int]
+  norms: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Message:
   """A mean that has a compact form: a low-rank method's factors, far smaller than the mean.
@@ -483,11 +500,10 @@ class Method:
       bucket of few leaves is padded in the addition instead,
       :func:`_corrected`); ``None``: ``bucket.size``. The residual stays
       ``f32[bucket.size]``, and the mean too.
-    block_maxima: ``block_maxima(bucket, P) -> int``, a block length that
-      divides the fused gradient's: where the native custom call forms the
+    blocks: a codec's :class:`Blocks`: where the native custom call forms the
       corrected gradient (:func:`_corrected`), it also takes each block's
-      largest magnitude in the same pass (:attr:`Context.block_maxima`, a
-      codec's scales without a read of their own); ``None``: none.
+      figures in the same pass (:attr:`Context.blocks`, a codec's scales
+      without a read of their own); ``None``: none.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_order: ``None`` (reverse tree order) or the tree positions of the
@@ -541,7 +557,7 @@ class Method:
   propagates_nonfinite: bool = False
   payload_carries_nonfinite: bool = False
   flat_length: Optional[Callable[[fusion.Bucket, int], int]] = None
-  block_maxima: Optional[Callable[[fusion.Bucket, int], int]] = None
+  blocks: Optional[Blocks] = None
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -792,11 +808,11 @@ def compressor(method: Method) -> optax.GradientTransformation:
       ctx = dataclasses.replace(ctx, carry=carry)
       if method.error_feedback:
         corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
-    elif method.block_maxima is not None and _native_sum(bucket, leaves_apart):
-      corrected, maxima = native.corrected(
+    elif method.blocks is not None and _native_sum(bucket, leaves_apart):
+      corrected, *figures = native.corrected(
           _bucket_leaves(bucket, updates), state.residual if method.error_feedback else None,
-          length, block=method.block_maxima(bucket, ctx.num_devices))
-      ctx = dataclasses.replace(ctx, block_maxima=maxima)
+          length, block=method.blocks.length(bucket, ctx.num_devices), norms=method.blocks.norms)
+      ctx = dataclasses.replace(ctx, blocks=tuple(figures))
     elif method.error_feedback:
       corrected = _corrected(bucket, updates, state.residual, length, leaves_apart)
     else:

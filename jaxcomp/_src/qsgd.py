@@ -12,7 +12,9 @@ import optax
 from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import draws
+from jaxcomp._src import native
 from jaxcomp._src import protocol
+from jaxcomp._src import selection
 from jaxcomp._src import two_hop
 
 
@@ -35,16 +37,22 @@ class QSGDState(NamedTuple):
   rng_key: jax.Array
 
 
-def _norms(blocks: jax.Array) -> jax.Array:
-  """The L2 norm of each row; where a row's squares overflow, every row is brought to its
-  largest entry's unit binade first (:func:`jaxcomp._src.binade.unit_factor`, exact).
+def _norms(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(norms, inverses)``: the L2 norm of each row, and :func:`_inverses` of them; where a
+  row's squares overflow, every row is brought to its largest entry's unit binade first
+  (:func:`jaxcomp._src.binade.unit_norm`, exact).
+
+  On the native route (:func:`jaxcomp._src.selection.native_route`) both
+  come from one custom call (:func:`jaxcomp._src.native.block_norms`, its
+  squares summed in an order of its own: the routes agree to rounding); in
+  JAX they are five small kernels and a branch per hop and per gradient
+  bucket, which the test below keeps from being more.
 
   The test is that the norms' sum is finite: it is exactly when each norm is,
   since a finite norm is below ``sqrt(3.4e38) = 1.8e19`` and fewer than
   ``2**31`` of them cannot add up past f32's largest. One sum of the ``m``
   norms is one small kernel, where a test of each norm followed by an ``all``
-  is three (XLA:CPU cuts a long ``all`` into a tree of windows), per hop and
-  per gradient bucket.
+  is three (XLA:CPU cuts a long ``all`` into a tree of windows).
 
   A row holding a NaN or an infinity has a non-finite norm on either path
   (its squares' sum, or the sum of the scaled squares, is NaN or ``inf``
@@ -54,6 +62,8 @@ def _norms(blocks: jax.Array) -> jax.Array:
   the largest entry instead would not do: XLA may take it as a product with
   the reciprocal, flushed to zero above ``2**126``, and the norm came out 0.
   """
+  if _native_norms():
+    return native.block_norms(blocks, blocks.shape[1])
   plain = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
 
   def scaled():
@@ -61,29 +71,52 @@ def _norms(blocks: jax.Array) -> jax.Array:
     return norm / unit
 
   # A branch on GPU too: faster there than both routes (see jaxcomp._src.binade).
-  return lax.cond(jnp.isfinite(jnp.sum(plain)), lambda: plain, scaled)
+  norms = lax.cond(jnp.isfinite(jnp.sum(plain)), lambda: plain, scaled)
+  return norms, _inverses(norms)
+
+
+def _native_norms() -> bool:
+  """Whether the norms come from the custom calls (the corrected gradient's, or
+  :func:`jaxcomp._src.native.block_norms`): where they are built and asked for
+  (:func:`jaxcomp._src.selection.native_route`)."""
+  return selection.native_route()
+
+
+def _inverses(norms: jax.Array) -> jax.Array:
+  """``1 / (d u)`` of each norm, ``d`` the norm (1 for 0) and ``u`` its
+  :func:`jaxcomp._src.binade.unit_factor`: a block's entries, brought to the
+  same binade (``|x| u``, exact), times it are their share of the norm. The
+  reciprocal of ``d`` itself would flush to zero for a norm above ``2**126``;
+  a division by ``d u`` XLA takes as this product anyway, in a kernel of its own."""
+  divisor = jnp.where(norms == 0, 1.0, norms)
+  return 1.0 / (divisor * binade.unit_factor(divisor))
 
 
 def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0,
-             norms: Optional[jax.Array] = None):
+             norms: Union[None, jax.Array, tuple[jax.Array, jax.Array]] = None):
   """``(int8 levels [m * bucket_size], f32 norms [m])`` of a flat ``x``, padded with zeros.
 
   Per bucket ``b`` of ``bucket_size`` entries: ``l_i = floor(s |x_i| /
   ||x_b||)``, rounded up to ``l_i + 1`` with probability ``s |x_i| /
   ||x_b|| - l_i``, signed like ``x_i``: ``E[sign(x_i) l_i ||x_b|| / s] = x_i``.
   The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``.
-  ``norms``: ``x``'s, where already known (only the levels are computed).
+  ``norms``: ``x``'s, or ``(norms, inverses)`` as :func:`_norms` gives them,
+  where already known (only the levels are computed).
   """
   n = x.shape[0]
   blocks = -(-n // bucket_size)
   padded = jnp.pad(x, (0, blocks * bucket_size - n)).reshape(blocks, bucket_size)
-  norms = _norms(padded) if norms is None else norms
+  if norms is None:
+    norms, inverses = _norms(padded)
+  elif isinstance(norms, tuple):
+    norms, inverses = norms
+  else:
+    inverses = _inverses(norms)
   # |x_i| / ||x_b|| first (levels * |x_i| overflows for |x_i| above f32's largest / s),
-  # both brought to the norm's unit binade (exact), so that a reciprocal of the norm
-  # does not underflow.
-  divisor = jnp.where(norms == 0, 1.0, norms)[:, None]
-  unit = binade.unit_factor(divisor)
-  scaled = levels * ((jnp.abs(padded) * unit) / (divisor * unit))
+  # both brought to the norm's unit binade (exact), so that the inverse does not
+  # underflow.
+  unit = binade.unit_factor(jnp.where(norms == 0, 1.0, norms))[:, None]
+  scaled = levels * ((jnp.abs(padded) * unit) * inverses[:, None])
   floor = jnp.floor(scaled)
   up = draws.uniform(key, padded.size, stream).reshape(padded.shape) < scaled - floor
   level = jnp.minimum(floor + up, levels) * jnp.sign(padded)
@@ -192,9 +225,14 @@ def qsgd(
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, bucket_size)
     device = lax.axis_index(axes[0] if len(axes) == 1 else axes)
+    # The blocks' norms and inverses, where the corrected gradient's pass took them.
+    known = ctx.blocks if _native_norms() else None
     mean, residual, scales = two_hop.mean(
-        ctx, corrected, _codec(levels, block, ctx.key, device), block, chunk)
+        ctx, corrected, _codec(levels, block, ctx.key, device), block, chunk, known)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
+
+  def block_length(bucket, devices):
+    return two_hop.chunking(bucket.size, devices, bucket_size)[0]
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -205,6 +243,7 @@ def qsgd(
       config=dict(levels=levels, axis_name=axis_name, bucket_size=bucket_size,
                   error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
-      flat_length=two_hop.flat_length(bucket_size), error_feedback=error_feedback, seed=seed,
+      flat_length=two_hop.flat_length(bucket_size),
+      blocks=protocol.Blocks(block_length, norms=True), error_feedback=error_feedback, seed=seed,
       payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

@@ -174,12 +174,12 @@ def quantized(
     del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
     # The blocks' largest magnitudes, where the corrected gradient's pass took them.
-    scales = None if ctx.block_maxima is None else ctx.block_maxima / _top(bits)
+    scales = None if ctx.blocks is None else ctx.blocks[0] / _top(bits)
     mean, residual, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk,
                                           scales)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
 
-  def block_maxima(bucket, devices):
+  def block_length(bucket, devices):
     return two_hop.chunking(bucket.size, devices, block_size, multiple)[0]
 
   def wire_cost(bucket, sizes, steps):
@@ -191,7 +191,7 @@ def quantized(
       config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
-      flat_length=two_hop.flat_length(block_size, multiple), block_maxima=block_maxima,
+      flat_length=two_hop.flat_length(block_size, multiple), blocks=protocol.Blocks(block_length),
       error_feedback=error_feedback,
       payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

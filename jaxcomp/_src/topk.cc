@@ -36,11 +36,18 @@
 // plus the residual element by element where one is given, then zeros to the
 // output's length; the output is one array, or several that lie end to end (a
 // method's runs); with `block`, also each block's largest magnitude (NaN as inf),
+// or with `norms` each block's norm and its inverse as JaxcompBlockNorms gives them,
 // taken from the sum while it is in cache. One pass that reads each leaf where it
 // lies, on two threads, where XLA:CPU copies a concatenation of more than 8 arrays
 // into a buffer of its own and reads it back for the addition. The second thread
 // inherits the caller's floating-point environment (XLA:CPU's flushes
 // subnormals), so both halves add as XLA does.
+//
+// JaxcompBlockNorms: QSGD's norm of each block (jaxcomp/_src/qsgd.py's _norms: each
+// block's from its squares, or, where any of those overflows, every block's from its
+// entries brought to a unit binade) and the inverse QSGD multiplies by, 1 / (d u),
+// in one pass where XLA:CPU made five small kernels and a branch. The squares are
+// summed in the low-rank products' fixed order, not XLA's: the routes agree to rounding.
 //
 // JaxcompLowrankProduct, JaxcompFactorColumns, JaxcompLowrankResidual: the low-rank
 // methods' work on a gradient bucket (jaxcomp/_src/lowrank.py), one call each where
@@ -508,6 +515,97 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
   if (i < end) std::memset(out + (i - out_start), 0, (end - i) * sizeof(float));
 }
 
+// jaxcomp/_src/binade.py's unit_factor of a magnitude given as its bits (NaN's above
+// inf's): the power of two that brings it into [1, 2), kept a normal float.
+float UnitFactor(int32_t magnitude_bits) {
+  const int32_t exponent = std::clamp<int32_t>(254 - (magnitude_bits >> 23), 1, 254);
+  const int32_t bits = exponent << 23;
+  float factor;
+  std::memcpy(&factor, &bits, sizeof(factor));
+  return factor;
+}
+
+// A row times a column is summed in kLanes interleaved sums, joined pairwise, then
+// the tail's: one fixed order, whatever the machine.
+constexpr int64_t kLanes = 8;
+
+// The lanes joined pairwise: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+inline float Joined(const float* lane) {
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// The sums' loops are also built for AVX2 where the compiler can, picked at load
+// time on a CPU that has it: the same operations in the same order (no product and
+// sum fused, -ffp-contract=off), in wider registers.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define JAXCOMP_WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define JAXCOMP_WIDE
+#endif
+
+
+// ------------------------------------------------------------------- block norms
+
+// The sum of (x[k] f)^2 over a block of n entries (f a power of two), in the lanes'
+// order: QSGD's squares (jaxcomp/_src/qsgd.py's _norms).
+JAXCOMP_WIDE float SumOfSquares(const float* x, int64_t n, float f) {
+  const int64_t whole = n - n % kLanes;
+  float lane[kLanes] = {};
+  for (int64_t k = 0; k < whole; k += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = x[k + l] * f;
+      lane[l] += v * v;
+    }
+  }
+  float tail = 0.0f;
+  for (int64_t k = whole; k < n; ++k) {
+    const float v = x[k] * f;
+    tail += v * v;
+  }
+  return Joined(lane) + tail;
+}
+
+// Blocks [first, last) of `block` entries at x: each one's L2 norm from its squares.
+void PlainNorms(const float* x, int64_t block, int64_t first, int64_t last, float* norms) {
+  for (int64_t b = first; b < last; ++b) {
+    norms[b] = std::sqrt(SumOfSquares(x + b * block, block, 1.0f));
+  }
+}
+
+// Each block's norm as jaxcomp/_src/binade.py's unit_norm gives it: the block brought
+// to its largest magnitude's unit binade (NaN as inf), its norm, then the factor
+// divided out (exact where nothing underflows); never inf for a finite block.
+void ScaledNorms(const float* x, int64_t block, int64_t first, int64_t last, float* norms) {
+  for (int64_t b = first; b < last; ++b) {
+    const float* entries = x + b * block;
+    int32_t top = 0;
+    for (int64_t j = 0; j < block; ++j) top = std::max(top, MagnitudeKey(entries[j]));
+    const float f = UnitFactor(top);
+    norms[b] = std::sqrt(SumOfSquares(entries, block, f)) / f;
+  }
+}
+
+// Given the plain norms of the m blocks at x: where any is not finite, every block's
+// scaled norm instead (jaxcomp/_src/qsgd.py's _norms takes one route for all); then
+// each norm's inverse as QSGD divides by it, 1 / (d u), d the norm (1 for 0) and u
+// unit_factor(d).
+void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* inverses) {
+  bool finite = true;
+  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
+  if (!finite) {
+    InHalves(m, m * block, [&](int64_t first, int64_t last) {
+      ScaledNorms(x, block, first, last, norms);
+    });
+  }
+  for (int64_t b = 0; b < m; ++b) {
+    const float divisor = norms[b] == 0.0f ? 1.0f : norms[b];
+    const float magnitude = std::fabs(divisor);
+    int32_t bits;
+    std::memcpy(&bits, &magnitude, sizeof(bits));
+    inverses[b] = 1.0f / (divisor * UnitFactor(bits));
+  }
+}
+
 // Block b's largest magnitude key (NaN as inf) of out[b * block, (b + 1) * block),
 // as the f32 whose bits it is, for the blocks from `first` to `last` - 1.
 void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, float* maxima) {
@@ -521,7 +619,7 @@ void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, f
 }
 
 ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
-                         int64_t block, ffi::RemainingRets results) {
+                         int64_t block, int64_t norms, ffi::RemainingRets results) {
   std::vector<const float*> data;
   std::vector<int64_t> offsets = {0};
   for (size_t j = 0; j < leaves.size(); ++j) {
@@ -530,11 +628,14 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     data.push_back(leaf->typed_data());
     offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
   }
-  // The output is the parts end to end; with `block`, the blocks' maxima follow them.
-  if (block > 0 && results.size() != 2) {
-    return ffi::Error::InvalidArgument("the blocks' maxima need one output, then the maxima");
+  // The output is the parts end to end; with `block`, the blocks' figures follow them:
+  // their maxima, or with `norms` their norms, then those norms' inverses.
+  const size_t figures = block > 0 ? (norms ? 2 : 1) : 0;
+  if (block > 0 && results.size() != 1 + figures) {
+    return ffi::Error::InvalidArgument(
+        "the blocks' figures need one output, then the maxima, or the norms and inverses");
   }
-  const size_t count = results.size() - (block > 0 ? 1 : 0);
+  const size_t count = results.size() - figures;
   std::vector<float*> out;
   std::vector<int64_t> starts = {0};
   for (size_t j = 0; j < results.size(); ++j) {
@@ -550,9 +651,13 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     return ffi::Error::InvalidArgument(
         "the outputs must hold the leaves, and the residual be as long as they are or empty");
   }
-  if (block > 0 && (length % block != 0 || starts[2] - starts[1] != length / block)) {
-    return ffi::Error::InvalidArgument(
-        "the blocks' maxima need one output of whole blocks, then one maximum per block");
+  if (block > 0) {
+    bool fits = length % block == 0;
+    for (size_t j = 1; j <= figures; ++j) fits = fits && starts[j + 1] - starts[j] == length / block;
+    if (!fits) {
+      return ffi::Error::InvalidArgument(
+          "the blocks' figures need one output of whole blocks, then one figure per block");
+    }
   }
   const float* add = given == 0 ? nullptr : residual.typed_data();
   // Positions [begin, end) of the output, part by part.
@@ -561,22 +666,43 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
       CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
     });
   };
-  // With the blocks' maxima: whole blocks at a time, each tile's maxima taken while it
-  // is still in cache (about 4,096 entries a tile).
+  // With the blocks' figures: whole blocks at a time, each tile's maxima or plain norms
+  // taken while it is still in cache (about 4,096 entries a tile).
   auto fill_blocks = [&](int64_t first, int64_t last) {
     const int64_t tile = std::max<int64_t>(1, 4096 / block);
     for (int64_t b = first; b < last; b += tile) {
       const int64_t stop = std::min(last, b + tile);
       fill(b * block, stop * block);
-      BlockMaxima(out[0], block, b, stop, out[1]);
+      if (norms) {
+        PlainNorms(out[0], block, b, stop, out[1]);
+      } else {
+        BlockMaxima(out[0], block, b, stop, out[1]);
+      }
     }
   };
   return Guarded("jaxcomp_corrected", [&] {
     if (block > 0) {
       InHalves(length / block, length, fill_blocks);
+      if (norms) FinishNorms(out[0], block, length / block, out[1], out[2]);
     } else {
       InHalves(length, length, fill);
     }
+  });
+}
+
+ffi::Error BlockNormsImpl(ffi::Buffer<ffi::F32> x, int64_t block,
+                          ffi::ResultBuffer<ffi::F32> norms, ffi::ResultBuffer<ffi::F32> inverses) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (block < 1 || n % block != 0 || static_cast<int64_t>(norms->element_count()) != n / block ||
+      static_cast<int64_t>(inverses->element_count()) != n / block) {
+    return ffi::Error::InvalidArgument("whole blocks of `block` >= 1 entries, one norm and"
+                                       " one inverse per block");
+  }
+  return Guarded("jaxcomp_block_norms", [&] {
+    InHalves(n / block, n, [&](int64_t first, int64_t last) {
+      PlainNorms(x.typed_data(), block, first, last, norms->typed_data());
+    });
+    FinishNorms(x.typed_data(), block, n / block, norms->typed_data(), inverses->typed_data());
   });
 }
 
@@ -630,29 +756,6 @@ ffi::Error RunMatrices(ffi::Span<const int64_t> groups_attr, ffi::RemainingArgs&
   return ffi::Error::Success();
 }
 
-// jaxcomp/_src/binade.py's unit_factor of a magnitude given as its bits (NaN's above
-// inf's): the power of two that brings it into [1, 2), kept a normal float.
-float UnitFactor(int32_t magnitude_bits) {
-  const int32_t exponent = std::clamp<int32_t>(254 - (magnitude_bits >> 23), 1, 254);
-  const int32_t bits = exponent << 23;
-  float factor;
-  std::memcpy(&factor, &bits, sizeof(factor));
-  return factor;
-}
-
-// A row times a column is summed in kLanes interleaved sums, joined pairwise, then
-// the tail's: one fixed order, whatever the machine.
-constexpr int64_t kLanes = 8;
-
-// The products' loops are also built for AVX2 where the compiler can, picked at load
-// time on a CPU that has it: the same operations in the same order (no product and
-// sum fused, -ffp-contract=off), in wider registers.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
-#define JAXCOMP_WIDE __attribute__((target_clones("avx2", "default")))
-#else
-#define JAXCOMP_WIDE
-#endif
-
 // Rows [first, last) of m (? x cols) times the r columns of a factor given as r rows
 // of cols entries (`columns`), into out (rows x r, row-major). Column by column over
 // the row (in cache), so that the sums stay in registers.
@@ -669,8 +772,7 @@ JAXCOMP_WIDE void LeftRows(const float* m, int64_t cols, const float* columns, i
       }
       float tail = 0.0f;
       for (int64_t k = whole; k < cols; ++k) tail += row[k] * column[k];
-      out[i * r + j] = (((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                        ((lane[4] + lane[5]) + (lane[6] + lane[7]))) + tail;
+      out[i * r + j] = Joined(lane) + tail;
     }
   }
 }
@@ -1047,7 +1149,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Attr<int64_t>("block")
+                                  .Attr<int64_t>("norms")
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompBlockNorms, BlockNormsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankProduct, LowrankProductImpl,
                               ffi::Ffi::Bind()

@@ -37,7 +37,8 @@ class Codec(NamedTuple):
       ``[m * block]``; ``payload`` uint8 ``[payload_bytes(m * block)]``,
       ``scales`` f32 ``[m]``; ``hop`` is 0 for this device's gradient, 1
       for its chunk of the mean. Given ``scales`` (those it returned for
-      ``x``), the same payload, from them.
+      ``x``, or QSGD's with their inverses, as the native calls give them), the
+      same payload, from them.
     decode: ``decode(payload, scales) -> f32 [..., m * block]`` from uint8
       ``[..., payload_bytes(m * block)]`` and f32 ``[..., m]`` (leading axes
       batched).
@@ -114,8 +115,9 @@ def mean(ctx, corrected: jax.Array, codec: Codec, block: int, chunk: int,
   scales the scales by ``1/P`` and poisons them where this device's input
   is not finite), its bucket of ``n`` entries; ``corrected``: f32 ``[P C]``,
   the bucket, then zeros (:func:`flat_length`); ``(block, chunk)`` from
-  :func:`chunking`; ``scales``: ``corrected``'s, where already known (the
-  codec's ``encode`` then computes the payload alone).
+  :func:`chunking`; ``scales``: ``corrected``'s, where already known, in the
+  form the codec's ``encode`` takes them (QSGD's: with their inverses), which
+  then computes the payload alone.
   """
   n, devices = ctx.bucket.size, ctx.num_devices
   if corrected.shape[0] != devices * chunk:
