@@ -23,6 +23,7 @@ from jaxcomp.collectives import EMPTY_INDEX
 from jaxcomp._src import error_feedback
 from jaxcomp._src import lowrank
 from jaxcomp._src import native
+from jaxcomp._src import protocol
 from jaxcomp._src import qsgd
 from jaxcomp._src import selection
 from jaxcomp._src import sparseloco
@@ -464,7 +465,9 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
         lambda axis: registry.build(name, axis, bucket_cap_mb=bucket_cap_mb, **config),
         _TWELVE, 8, ("data",))
     text = runs["compiled"].as_text()
-    assert text.count('custom_call_target="jaxcomp_corrected"') == int(native_route)
+    # DGC's call also forms the momentum correction (no clipping here).
+    target = "jaxcomp_momentum_corrected" if name == "dgc" else "jaxcomp_corrected"
+    assert text.count(f'custom_call_target="{target}"') == int(native_route)
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
@@ -958,3 +961,94 @@ def test_the_block_norms_call_refuses_what_is_not_whole_blocks_by_name():
     native.block_norms(jnp.ones(8), 0)
   with pytest.raises(ValueError, match="`norms` needs a `block`"):
     native.corrected([jnp.ones(8)], None, norms=True)
+
+
+def _momentum_corrected_by_jax(leaves, momentum, residual, head, coefficient, nesterov):
+  """DGC's prepare and the residual's addition as its JAX route writes them."""
+
+  def prepared(leaves, u, e):
+    g = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
+    if nesterov:
+      whole = coefficient * (u + g)
+      velocity = whole + g
+    else:
+      whole = coefficient * u + g
+      velocity = whole
+    return jnp.where(jnp.arange(g.size) < head, velocity, g) + e, whole
+
+  return jax.jit(prepared)(leaves, momentum, residual)
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.data(), st.sampled_from([0.0, 0.9, 0.5, 1 / 3]),
+                  st.booleans())
+def test_the_momentum_call_gives_dgc_s_jax_bits(case, data, coefficient, nesterov):
+  # Ties, zeros of both signs, infinities, NaN and subnormals in the leaves, the
+  # momentum and the residual; the head anywhere, inside a leaf or past them all.
+  leaves, residual = case
+  n = residual.size
+  momentum = np.asarray(data.draw(st.lists(_ADDEND, min_size=n, max_size=n)), np.float32)
+  head = data.draw(st.integers(0, n))
+  by_call = jax.jit(lambda ls, u, e: native.momentum_corrected(
+      ls, u, e, head, coefficient, nesterov))(leaves, momentum, residual)
+  by_jax = _momentum_corrected_by_jax(leaves, momentum, residual, head, coefficient, nesterov)
+  for got, want in zip(by_call, by_jax):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+@harness.needs_native
+def test_the_momentum_call_s_two_threads_meet_exactly():
+  # 2.4M entries in three leaves: the halves meet inside the second; the head ends in
+  # the third.
+  rng = np.random.default_rng(7)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in (700_000, 1_000_001, 700_000)]
+  momentum, residual = (rng.standard_normal(2_400_001).astype(np.float32) for _ in range(2))
+  for nesterov in (False, True):
+    by_call = jax.jit(lambda ls, u, e: native.momentum_corrected(
+        ls, u, e, 2_000_000, 0.9, nesterov))(leaves, momentum, residual)
+    by_jax = _momentum_corrected_by_jax(leaves, momentum, residual, 2_000_000, 0.9, nesterov)
+    chex.assert_trees_all_equal(by_call, by_jax)
+
+
+@harness.needs_native
+def test_the_momentum_call_refuses_what_does_not_fit_by_name():
+  ones = jnp.ones(6)
+  with pytest.raises(TypeError, match="f32"):
+    native.momentum_corrected([jnp.ones(6, jnp.bfloat16)], ones, ones, 2, 0.9, False)
+  with pytest.raises(ValueError, match="`momentum` must be f32\\[6\\]"):
+    native.momentum_corrected([ones], jnp.ones(5), ones, 2, 0.9, False)
+  with pytest.raises(ValueError, match="`residual` must be f32\\[6\\]"):
+    native.momentum_corrected([ones], ones, jnp.ones(6, jnp.int32), 2, 0.9, False)
+  with pytest.raises(ValueError, match="`head`"):
+    native.momentum_corrected([ones], ones, ones, 7, 0.9, False)
+  with pytest.raises(TypeError, match="`nesterov`"):
+    native.momentum_corrected([ones], ones, ones, 2, 0.9, 1)
+
+
+@harness.needs_native
+@pytest.mark.parametrize("config", [
+    {}, dict(nesterov=True), dict(sparse_leaves="all"), dict(warmup_steps=4),
+    # Clipping reads the fused gradient's norm: prepare stays in JAX.
+    dict(clip_norm=0.5)])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+def test_dgc_s_momentum_call_gives_the_jax_route_s_bits(config, bucket_cap_mb, monkeypatch):
+  """DGC with the momentum call against its JAX route on the fused gradient (the
+  buckets' leaves fused in XLA), two steps on 8 devices, every other call native in
+  both: the same outputs and states, bit for bit. One call for the bucket the custom
+  calls sum (more than 8 leaves: the one bucket, or the first of two), none where DGC
+  clips."""
+
+  def run():
+    runs = harness.run_two_steps(
+        lambda axis: registry.build("dgc", axis, density=0.05, bucket_cap_mb=bucket_cap_mb,
+                                    **config), _TWELVE, 8, ("data",))
+    text = runs["compiled"].as_text()
+    calls = text.count('custom_call_target="jaxcomp_momentum_corrected"')
+    return calls, runs["outs"], runs["states"]
+
+  calls, *by_call = run()
+  assert calls == (0 if "clip_norm" in config else 1)
+  monkeypatch.setattr(protocol, "_native_sum", lambda bucket, leaves_apart: False)
+  jax_calls, *by_jax = run()
+  assert jax_calls == 0
+  chex.assert_trees_all_equal(by_call, by_jax)

@@ -24,6 +24,7 @@ from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import error_feedback
 from jaxcomp._src import fusion
+from jaxcomp._src import native
 from jaxcomp._src import protocol
 from jaxcomp._src import selection
 from jaxcomp._src import wire
@@ -273,7 +274,18 @@ def dgc(
                              overflowed)
       clipped = gradient * unit * scale
     _, velocity = accumulate(state.momentum, clipped)
-    return jnp.where(_in_head(ctx.bucket, where), velocity, clipped), clipped
+    return jnp.where(_in_head(ctx.bucket, where), velocity, clipped), _Carry(gradient=clipped)
+
+  def prepare_leaves(ctx, leaves, state):
+    """``prepare`` (without clipping, whose norm reads the fused gradient) and the
+    residual's addition as one custom call that reads the leaves where they lie
+    (:func:`jaxcomp._src.native.momentum_corrected`, the same bits). The carry is
+    every leaf's new momentum, which the call writes in the same pass: ``step``
+    masks it where it writes it."""
+    corrected, whole = native.momentum_corrected(
+        leaves, state.momentum, state.residual, _sparse(ctx.bucket, where).size, momentum,
+        nesterov)
+    return corrected, _Carry(momentum=whole)
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
@@ -329,8 +341,12 @@ def dgc(
       took 5 times as long as the elementwise pass on an AVX-512 CPU (190 ms
       against 35 for ResNet-50). Formed again from its inputs where it is
       written, not shared with ``prepare``'s (XLA would write that out and
-      read it back)."""
-      whole, _ = accumulate(state.momentum, ctx.carry)
+      read it back); where the native call read the leaves, taken from the
+      momentum it wrote in that pass (no fused gradient to form it from is
+      written then)."""
+      whole = ctx.carry.momentum
+      if whole is None:
+        whole, _ = accumulate(state.momentum, ctx.carry.gradient)
       return fusion.Pieces((0, sparse.size),
                            (error_feedback.zero_sent(sent, whole), dense_momentum))
 
@@ -373,9 +389,20 @@ def dgc(
       init=lambda params, bucket: {"momentum": jnp.zeros((bucket.size,), jnp.float32)},
       bucket_fields=("momentum",),
       layout=lambda tree: _sparse_first(tree, where), error_feedback=True, prepare=prepare,
+      prepare_leaves=prepare_leaves if clip_norm is None else None,
       payload_carries_nonfinite=True,
       seed=seed, bucket_cap_mb=bucket_cap_mb,
       form=(lambda count: _form(count, warmup_steps, forms)) if forms > 1 else None))
+
+
+class _Carry(NamedTuple):
+  """What DGC's preparation hands its step (:attr:`jaxcomp.protocol.Context.carry`):
+  the clipped gradient ``f32[n]``, from which the step forms the new momentum where it
+  writes it (read there with the old momentum, not written out before); or that new
+  momentum itself, where the native call formed it in the pass that read the leaves."""
+
+  gradient: Optional[jax.Array] = None
+  momentum: Optional[jax.Array] = None
 
 
 def _sparse_first(tree, where) -> fusion.Bucket:

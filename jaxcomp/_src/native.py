@@ -24,8 +24,9 @@ call a bucket each, where XLA:CPU makes a few kernels per group of equal-shaped
 matrices; not XLA's order of sums, so those two routes agree to rounding, not
 bit for bit), and for a sparsifier's mean, written into its bucket's leaves
 (:func:`densify_leaves`: one kernel that writes each leaf once, where XLA:CPU
-writes the whole vector's zeros, scatters into it and copies each leaf out), and
-for QSGD's norms of its blocks (:func:`block_norms`, and taken by the corrected
+writes the whole vector's zeros, scatters into it and copies each leaf out), for
+DGC's momentum correction (:func:`momentum_corrected`: the leaves read where they
+lie, no fused copy of them first), and for QSGD's norms of its blocks (:func:`block_norms`, and taken by the corrected
 gradient's call in its own pass: one kernel where XLA:CPU made five and a branch
 per hop and bucket; its squares summed in a fixed order, not XLA's, so the
 routes agree to rounding).
@@ -78,7 +79,8 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_factor_columns": "JaxcompFactorColumns",
             "jaxcomp_lowrank_residual": "JaxcompLowrankResidual",
             "jaxcomp_densify_leaves": "JaxcompDensifyLeaves",
-            "jaxcomp_block_norms": "JaxcompBlockNorms"}
+            "jaxcomp_block_norms": "JaxcompBlockNorms",
+            "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
@@ -402,6 +404,49 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
   if block is not None:
     return tuple(out)
   return out[0] if parts is None else tuple(out)
+
+
+def momentum_corrected(leaves, momentum: jax.Array, residual: jax.Array, head: int,
+                       coefficient: float, nesterov: bool) -> tuple[jax.Array, jax.Array]:
+  """Deep Gradient Compression's momentum correction and error feedback's addition by the
+  custom call (CPU only): :func:`jaxcomp._src.dgc.dgc`'s ``prepare`` and the residual
+  added, the same bits, in one pass over the leaves where they lie (XLA:CPU copies
+  them into a buffer of their own first, which the step's momentum reads again).
+
+  Args:
+    leaves: f32 arrays of any shapes, ``n`` entries together, read end to end.
+    momentum: ``f32[n]``, the momentum ``u``.
+    residual: ``f32[n]``, the residual ``e``.
+    head: static, the sparse leaves' entries, in ``[0, n]``: the first ``head``.
+    coefficient: the momentum ``m``, as f32.
+    nesterov: Nesterov momentum.
+
+  Returns:
+    ``(corrected, new_momentum)``, ``f32[n]`` each: ``u' = m u + g`` (Nesterov:
+    ``m (u + g)``) at every position; ``corrected`` the velocity (``u'``,
+    Nesterov ``u' + g``) on the head and ``g`` on the rest, plus ``e``: one f32
+    operation each, in the caller's floating-point environment, which the
+    call's second thread inherits (XLA:CPU's, which flushes subnormals).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  leaves = list(leaves)
+  for leaf in leaves:
+    if leaf.dtype != jnp.float32:
+      raise TypeError(f"the leaves must be f32, got {leaf.dtype}")
+  n = sum(leaf.size for leaf in leaves)
+  for name, value in (("momentum", momentum), ("residual", residual)):
+    if value.shape != (n,) or value.dtype != jnp.float32:
+      raise ValueError(f"`{name}` must be f32[{n}], the leaves' entries, got"
+                       f" {value.dtype}{list(value.shape)}")
+  head = checks.check_number(head, "head", integer=True, low=0, high=n)
+  flat = jax.ShapeDtypeStruct((n,), jnp.float32)
+  return tuple(jax.ffi.ffi_call("jaxcomp_momentum_corrected", (flat, flat),
+                                vmap_method="sequential")(
+      momentum, residual, *leaves, head=np.int64(head), coefficient=np.float32(coefficient),
+      nesterov=np.int64(checks.check_bool(nesterov, "nesterov"))))
 
 
 def block_norms(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

@@ -471,6 +471,11 @@ class Method:
       gradient ``g`` before error feedback (DGC's clipping and momentum
       correction); ``prepared``: ``f32[bucket.size]``, to which the residual
       is added.
+    prepare_leaves: ``prepare_leaves(ctx, leaves, state) -> (corrected, carry)``:
+      ``prepare`` and error feedback's addition together, from the bucket's
+      leaves where they lie, where the native custom calls sum the bucket
+      (:func:`_native_sum`; no fused copy of the leaves first); ``None``:
+      ``prepare`` always.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
       keeps itself.
@@ -553,6 +558,7 @@ class Method:
   layout: Callable[[chex.ArrayTree], fusion.Bucket] = fusion.Bucket.of
   error_feedback: bool = False
   prepare: Optional[Callable] = None
+  prepare_leaves: Optional[Callable] = None
   seed: Optional[int] = None
   propagates_nonfinite: bool = False
   payload_carries_nonfinite: bool = False
@@ -802,6 +808,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
       corrected = _corrected_runs(bucket, method.runs(bucket), updates,
                                   state.residual if method.error_feedback else None,
                                   leaves_apart)
+    elif method.prepare_leaves is not None and _native_sum(bucket, leaves_apart):
+      corrected, carry = method.prepare_leaves(ctx, _bucket_leaves(bucket, updates), state)
+      ctx = dataclasses.replace(ctx, carry=carry)
     elif method.prepare is not None:
       corrected, carry = method.prepare(ctx, _fused(bucket, updates, length, leaves_apart),
                                         state)

@@ -43,6 +43,12 @@
 // inherits the caller's floating-point environment (XLA:CPU's flushes
 // subnormals), so both halves add as XLA does.
 //
+// JaxcompMomentumCorrected: Deep Gradient Compression's momentum correction and its
+// residual's addition (jaxcomp/_src/dgc.py's prepare, the same bits): from the leaves
+// where they lie, the momentum and the residual, one pass that writes the corrected
+// gradient and the new momentum, where XLA:CPU copied the leaves into a buffer of their
+// own first, which the step's momentum then read again.
+//
 // JaxcompBlockNorms: QSGD's norm of each block (jaxcomp/_src/qsgd.py's _norms: each
 // block's from its squares, or, where any of those overflows, every block's from its
 // entries brought to a unit binade) and the inverse QSGD multiplies by, 1 / (d u),
@@ -487,22 +493,30 @@ ffi::Error SentMaskImpl(ffi::Buffer<ffi::S32> indices, int64_t n, int64_t sent_f
   return ffi::Error::Success();
 }
 
-// Positions [begin, end) of the leaves end to end (leaf j from offsets[j], offsets
-// ending with their total n), plus residual[i] where it is not null, and 0 past n,
-// written to `out`, which holds position `out_start` first.
-void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
-                   const float* residual, float* out, int64_t out_start, int64_t begin,
-                   int64_t end) {
+// Runs `each(from, i, count)` for the runs of positions [begin, min(end, n)) of the
+// leaves end to end (leaf j from offsets[j], offsets ending with their total n): the
+// `count` positions from i lie in one leaf, from `from`.
+template <typename Each>
+void OverLeaves(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                int64_t begin, int64_t end, Each each) {
   const int64_t n = offsets.back();
   // The leaf that holds `begin`: the last that starts at or before it.
   size_t leaf = std::upper_bound(offsets.begin(), offsets.end() - 1, begin) - offsets.begin();
   leaf = leaf > 0 ? leaf - 1 : 0;
-  int64_t i = begin;
-  for (; i < std::min(end, n); ++leaf) {
+  for (int64_t i = begin; i < std::min(end, n); ++leaf) {
     const int64_t stop = std::min(end, offsets[leaf + 1]);
     if (stop <= i) continue;  // an empty leaf
-    const float* from = leaves[leaf] + (i - offsets[leaf]);
-    const int64_t count = stop - i;
+    each(leaves[leaf] + (i - offsets[leaf]), i, stop - i);
+    i = stop;
+  }
+}
+
+// Positions [begin, end) of the leaves end to end, plus residual[i] where it is not
+// null, and 0 past n, written to `out`, which holds position `out_start` first.
+void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                   const float* residual, float* out, int64_t out_start, int64_t begin,
+                   int64_t end) {
+  OverLeaves(leaves, offsets, begin, end, [&](const float* from, int64_t i, int64_t count) {
     float* to = out + (i - out_start);
     if (residual == nullptr) {
       std::memcpy(to, from, count * sizeof(float));
@@ -510,9 +524,12 @@ void CorrectedSpan(const std::vector<const float*>& leaves, const std::vector<in
       const float* add = residual + i;
       for (int64_t j = 0; j < count; ++j) to[j] = from[j] + add[j];
     }
-    i = stop;
+  });
+  const int64_t n = offsets.back();
+  if (end > n) {
+    const int64_t from = std::max(begin, n);
+    std::memset(out + (from - out_start), 0, (end - from) * sizeof(float));
   }
-  if (i < end) std::memset(out + (i - out_start), 0, (end - i) * sizeof(float));
 }
 
 // jaxcomp/_src/binade.py's unit_factor of a magnitude given as its bits (NaN's above
@@ -618,16 +635,25 @@ void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, f
   }
 }
 
-ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
-                         int64_t block, int64_t norms, ffi::RemainingRets results) {
-  std::vector<const float*> data;
-  std::vector<int64_t> offsets = {0};
+// Each f32 leaf's data into `data`, and where each starts when they lie end to end into
+// `offsets` (from 0, then their total).
+ffi::Error LeafData(ffi::RemainingArgs& leaves, std::vector<const float*>* data,
+                    std::vector<int64_t>* offsets) {
+  offsets->assign(1, 0);
   for (size_t j = 0; j < leaves.size(); ++j) {
     auto leaf = leaves.get<ffi::Buffer<ffi::F32>>(j);
     if (!leaf.has_value()) return leaf.error();
-    data.push_back(leaf->typed_data());
-    offsets.push_back(offsets.back() + static_cast<int64_t>(leaf->element_count()));
+    data->push_back(leaf->typed_data());
+    offsets->push_back(offsets->back() + static_cast<int64_t>(leaf->element_count()));
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
+                         int64_t block, int64_t norms, ffi::RemainingRets results) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
   // The output is the parts end to end; with `block`, the blocks' figures follow them:
   // their maxima, or with `norms` their norms, then those norms' inverses.
   const size_t figures = block > 0 ? (norms ? 2 : 1) : 0;
@@ -703,6 +729,60 @@ ffi::Error BlockNormsImpl(ffi::Buffer<ffi::F32> x, int64_t block,
       PlainNorms(x.typed_data(), block, first, last, norms->typed_data());
     });
     FinishNorms(x.typed_data(), block, n / block, norms->typed_data(), inverses->typed_data());
+  });
+}
+
+// --------------------------------------------------------------- momentum correction
+
+// Deep Gradient Compression's momentum correction at positions [begin, end) of the
+// leaves end to end (jaxcomp/_src/dgc.py's prepare, then error feedback's addition, the
+// same bits): each position's new momentum u' = m u + g (Nesterov: m (u + g)), written
+// to `momentum_out`; and its corrected gradient, the velocity (u', Nesterov u' + g)
+// on the first `head` positions (the sparse leaves), the gradient itself on the rest,
+// plus the residual, written to `corrected`.
+void MomentumSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                  const float* momentum, const float* residual, int64_t head, float coefficient,
+                  bool nesterov, float* corrected, float* momentum_out, int64_t begin,
+                  int64_t end) {
+  OverLeaves(leaves, offsets, begin, end, [&](const float* g, int64_t i, int64_t count) {
+    const float* u = momentum + i;
+    const float* e = residual + i;
+    float* out = corrected + i;
+    float* u_out = momentum_out + i;
+    const int64_t sparse = std::clamp<int64_t>(head - i, 0, count);
+    if (nesterov) {
+      for (int64_t j = 0; j < count; ++j) u_out[j] = coefficient * (u[j] + g[j]);
+      for (int64_t j = 0; j < sparse; ++j) out[j] = (u_out[j] + g[j]) + e[j];
+    } else {
+      for (int64_t j = 0; j < count; ++j) u_out[j] = coefficient * u[j] + g[j];
+      for (int64_t j = 0; j < sparse; ++j) out[j] = u_out[j] + e[j];
+    }
+    for (int64_t j = sparse; j < count; ++j) out[j] = g[j] + e[j];
+  });
+}
+
+ffi::Error MomentumCorrectedImpl(ffi::Buffer<ffi::F32> momentum, ffi::Buffer<ffi::F32> residual,
+                                 ffi::RemainingArgs leaves, int64_t head, float coefficient,
+                                 int64_t nesterov, ffi::ResultBuffer<ffi::F32> corrected,
+                                 ffi::ResultBuffer<ffi::F32> new_momentum) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
+  const int64_t n = offsets.back();
+  if (static_cast<int64_t>(momentum.element_count()) != n ||
+      static_cast<int64_t>(residual.element_count()) != n ||
+      static_cast<int64_t>(corrected->element_count()) != n ||
+      static_cast<int64_t>(new_momentum->element_count()) != n || head < 0 || head > n) {
+    return ffi::Error::InvalidArgument(
+        "the momentum, the residual and both outputs must be as long as the leaves, and the"
+        " head within them");
+  }
+  return Guarded("jaxcomp_momentum_corrected", [&] {
+    InHalves(n, n, [&](int64_t first, int64_t last) {
+      MomentumSpan(data, offsets, momentum.typed_data(), residual.typed_data(), head,
+                   coefficient, nesterov != 0, corrected->typed_data(),
+                   new_momentum->typed_data(), first, last);
+    });
   });
 }
 
@@ -1151,6 +1231,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("norms")
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumCorrected, MomentumCorrectedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("head")
+                                  .Attr<float>("coefficient")
+                                  .Attr<int64_t>("nesterov")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompBlockNorms, BlockNormsImpl,
                               ffi::Ffi::Bind()
