@@ -271,23 +271,24 @@ def test_one_device_sends_its_payload_as_a_buffer_with_the_same_bits(
   chex.assert_trees_all_equal(run(True), run(False))
 
 
-# Twelve leaves: more than XLA:CPU fuses into a concatenation's reader, so the
-# corrected gradient is the custom call's. With buckets of 0.02 MiB, the first
-# bucket holds nine of them (the call's), the second three (fused in XLA).
+# Twelve leaves of 600 entries. With buckets of 0.02 MiB, the first bucket holds nine
+# of them, the second three; with buckets of 0.001 MiB, each leaf is a bucket.
 _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 
 
 @harness.needs_native
-@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02, 0.001])
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, monkeypatch):
   """The native route against JAX's over two steps on 8 devices: a bucket's first-hop
-  norms from the corrected gradient's call where it sums the bucket (else from a norms
-  call), its second hop's from a norms call, and no branch of the norms; the means, the
+  norms from the corrected gradient's call where it sums the bucket (else, a leaf of
+  its own, from a norms call), its second hop's from a norms call, and no branch of
+  the norms; the means, the
   norms (the step's scales) and the residuals agree to rounding. The calls sum the
   squares in their own order, so a norm may move by an ulp or two (which moves a level
   only where a draw lies that close to its threshold: no entry of these data)."""
-  one = bucket_cap_mb is None
+  buckets = {None: 1, 0.02: 2, 0.001: 12}[bucket_cap_mb]
+  summed = 0 if buckets == 12 else buckets  # the buckets of more than one leaf
 
   def run(native_route):
     monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
@@ -300,8 +301,8 @@ def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, m
     return calls, text.count(" conditional("), runs["outs"], runs["rows"]
 
   calls, branches, *by_call = run(True)
-  assert calls == ((1, 1) if one else (1, 3))
+  assert calls == (summed, 2 * buckets - summed)
   xla_calls, xla_branches, *by_xla = run(False)
   assert xla_calls == (0, 0)
-  assert xla_branches - branches == (2 if one else 4)  # the norms' branch on each hop
+  assert xla_branches - branches == 2 * buckets  # the norms' branch on each hop
   chex.assert_trees_all_close(by_call, by_xla, rtol=1e-6, atol=1e-6)

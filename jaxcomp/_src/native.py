@@ -17,7 +17,8 @@ kernels a bucket in JAX), for error feedback's packed mask of what was sent
 (:func:`sent_mask`: four kernels of a scatter in JAX) and for its corrected gradient
 (:func:`corrected`: the leaves and the residual read once, where XLA:CPU
 copies the concatenation of more than 8 leaves into a buffer of its own and
-reads it back; the integer codes' block maxima taken in the same pass), and for
+reads it back, and fuses fewer into a loop that can be 100 times slower; the
+integer codes' block maxima taken in the same pass), and for
 PowerSGD's and ACP-SGD's products, factor columns and residual
 (:func:`lowrank_product`, :func:`factor_columns`, :func:`lowrank_residual`: one
 call a bucket each, where XLA:CPU makes a few kernels per group of equal-shaped

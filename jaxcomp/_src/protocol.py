@@ -632,8 +632,8 @@ def _token_of(tree) -> Optional[jax.Array]:
 
 def _native_sum(bucket: fusion.Bucket, leaves_apart: bool) -> bool:
   """Whether the custom call :func:`jaxcomp._src.native.corrected` sums the bucket
-  (see :func:`_corrected`)."""
-  return (leaves_apart and len(bucket.leaves) > fusion.FUSED_CONCATENATION
+  (see :func:`_corrected`): f32 leaves apart, two or more, on the native route."""
+  return (leaves_apart and len(bucket.leaves) > 1
           and all(dtype == jnp.float32 for dtype in bucket.dtypes) and selection.native_route())
 
 
@@ -646,7 +646,8 @@ def _fused(bucket: fusion.Bucket, updates: optax.Updates, length: int,
            leaves_apart: bool) -> jax.Array:
   """:meth:`jaxcomp._src.fusion.Bucket.flatten` of ``updates`` to ``length``; by the
   custom call where it sums the bucket (:func:`_corrected`): a copy on two threads
-  where XLA:CPU's concatenation copies on one."""
+  where XLA:CPU's concatenation copies on one, or fuses a few leaves into its reader
+  in a loop as slow as :func:`_corrected` says."""
   if _native_sum(bucket, leaves_apart):
     return native.corrected(_bucket_leaves(bucket, updates), None, length)
   return bucket.flatten(updates, length)
@@ -694,11 +695,16 @@ def _corrected(bucket: fusion.Bucket, updates: optax.Updates, residual: jax.Arra
   ``leaves_apart``: the leaves are arrays of their own (``update``'s), not
   slices of one fused buffer (``fused.update``'s, whose concatenation XLA
   folds back into that buffer). Then, where the native custom calls run
-  (:func:`jaxcomp._src.selection.native_route`) and the leaves are f32 and
-  more than XLA:CPU fuses into a concatenation's reader, one custom call
-  (:func:`jaxcomp._src.native.corrected`, the same bits) reads each leaf and
-  the residual once and writes the sum: 3 passes over the gradient where the
-  concatenation and the addition make 5 (ResNet-50's 161 leaves).
+  (:func:`jaxcomp._src.selection.native_route`) and the leaves are f32, two
+  or more, one custom call (:func:`jaxcomp._src.native.corrected`, the same
+  bits) reads each leaf and the residual once and writes the sum: 3 passes
+  over the gradient where the concatenation and the addition make 5
+  (ResNet-50's 161 leaves). A few leaves XLA:CPU fuses into the addition, but
+  its loop over a concatenation whose large leaf comes before small ones (a
+  bucket's reverse order: a kernel, then its norm's scale and bias) ran 50 to
+  100 times slower than the call on an AMD EPYC with AVX-512 (ResNet-50's
+  first 25 MiB bucket, four leaves of 1.06M entries: 54 ms against 0.4; DeMo's
+  step 1.23-1.42x dense to 1.09x).
 
   Else, without padding, one addition. With it, on CPU, a concatenation of more
   leaves than XLA:CPU fuses into its reader
