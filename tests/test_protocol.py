@@ -270,6 +270,22 @@ def test_runs_are_checked():
     harness.one_step_of_normal_gradients(protocol.compressor(method()), RUN_PARAMS, 0)
 
 
+def test_leaves_prepared_stand_in_for_prepare_and_the_residual_s_addition():
+  leaves_prepared = lambda ctx, leaves, s: (None, None)  # noqa: E731
+
+  def method(**fields):
+    return protocol.Method(
+        name="bad", config={}, axes=("data",), state=HalfState,
+        step=lambda ctx, c, s: protocol.Output(mean=c), wire=lambda b, s, t: (),
+        prepare_leaves=leaves_prepared, **fields)
+
+  for fields in (dict(error_feedback=True), dict(prepare=lambda ctx, g, s: (g, None)),
+                 dict(error_feedback=True, prepare=lambda ctx, g, s: (g, None),
+                      flat_length=lambda bucket, p: bucket.size)):
+    with pytest.raises(ValueError, match="`prepare_leaves` stands in for `prepare`"):
+      protocol.compressor(method(**fields))
+
+
 def _reads_of_old_residual(tx) -> int:
   """Kernels outside any conditional that read the donated residual, in a one-device step
   (a custom call among them: the native route's sum)."""

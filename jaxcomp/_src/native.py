@@ -27,10 +27,10 @@ bit for bit), and for a sparsifier's mean, written into its bucket's leaves
 (:func:`densify_leaves`: one kernel that writes each leaf once, where XLA:CPU
 writes the whole vector's zeros, scatters into it and copies each leaf out), for
 DGC's momentum correction (:func:`momentum_corrected`: the leaves read where they
-lie, no fused copy of them first), and for QSGD's norms of its blocks (:func:`block_norms`, and taken by the corrected
-gradient's call in its own pass: one kernel where XLA:CPU made five and a branch
-per hop and bucket; its squares summed in a fixed order, not XLA's, so the
-routes agree to rounding).
+lie, no fused copy of them first), and for QSGD's norms of its blocks
+(:func:`block_norms`, and taken by the corrected gradient's call in its own
+pass: one kernel where XLA:CPU made five and a branch per hop and bucket; its
+squares summed in a fixed order, not XLA's, so the routes agree to rounding).
 Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
 route: the exact top-k of ResNet-50's 25.6M
 entries at density 0.001 in 8.1-8.7 ms against 21-22, of a 25 MiB bucket of

@@ -761,6 +761,10 @@ def compressor(method: Method) -> optax.GradientTransformation:
   if method.runs is not None and (method.prepare is not None or method.flat_length is not None):
     raise ValueError(f"method {method.name!r} cuts its bucket into `runs`, which takes"
                      " neither `prepare` nor `flat_length`")
+  if method.prepare_leaves is not None and (method.prepare is None or method.flat_length
+                                            is not None or not method.error_feedback):
+    raise ValueError(f"method {method.name!r}: `prepare_leaves` stands in for `prepare` and"
+                     " error feedback's addition, with no `flat_length`")
 
   # The fields sized by the bucket: the residual and the method's own.
   sized = (("residual",) if method.error_feedback else ()) + tuple(method.bucket_fields)

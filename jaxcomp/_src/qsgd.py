@@ -46,7 +46,7 @@ def _norms(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   come from one custom call (:func:`jaxcomp._src.native.block_norms`, its
   squares summed in an order of its own: the routes agree to rounding); in
   JAX they are five small kernels and a branch per hop and per gradient
-  bucket, which the test below keeps from being more.
+  bucket, no more for the one test of the norms below.
 
   The test is that the norms' sum is finite: it is exactly when each norm is,
   since a finite norm is below ``sqrt(3.4e38) = 1.8e19`` and fewer than

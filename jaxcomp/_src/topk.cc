@@ -561,7 +561,6 @@ inline float Joined(const float* lane) {
 #define JAXCOMP_WIDE
 #endif
 
-
 // ------------------------------------------------------------------- block norms
 
 // The sum of (x[k] f)^2 over a block of n entries (f a power of two), in the lanes'
@@ -592,7 +591,8 @@ void PlainNorms(const float* x, int64_t block, int64_t first, int64_t last, floa
 
 // Each block's norm as jaxcomp/_src/binade.py's unit_norm gives it: the block brought
 // to its largest magnitude's unit binade (NaN as inf), its norm, then the factor
-// divided out (exact where nothing underflows); never inf for a finite block.
+// divided out (exact where nothing underflows): finite for a finite block whose norm
+// fits in f32, where its squares overflow.
 void ScaledNorms(const float* x, int64_t block, int64_t first, int64_t last, float* norms) {
   for (int64_t b = first; b < last; ++b) {
     const float* entries = x + b * block;
