@@ -339,6 +339,15 @@ def sent_mask(n: int, indices: jax.Array, sent_from: Optional[int] = None) -> ja
   )(jnp.asarray(indices, jnp.int32).reshape(-1), n=np.int64(n), sent_from=np.int64(sent_from))
 
 
+def _f32_leaves(leaves) -> tuple[list, int]:
+  """``leaves`` as a list, each f32 (else a ``TypeError``), and their entries together."""
+  leaves = list(leaves)
+  for leaf in leaves:
+    if leaf.dtype != jnp.float32:
+      raise TypeError(f"the leaves must be f32, got {leaf.dtype}")
+  return leaves, sum(leaf.size for leaf in leaves)
+
+
 def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int] = None,
               *, parts: Optional[Sequence[int]] = None, block: Optional[int] = None,
               norms: bool = False):
@@ -374,11 +383,7 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
     RuntimeError: the custom call is not :func:`available`.
   """
   _check_available()
-  leaves = list(leaves)
-  for leaf in leaves:
-    if leaf.dtype != jnp.float32:
-      raise TypeError(f"the leaves must be f32, got {leaf.dtype}")
-  n = sum(leaf.size for leaf in leaves)
+  leaves, n = _f32_leaves(leaves)
   if parts is not None:
     parts = tuple(checks.check_number(p, "parts", integer=True, low=0) for p in parts)
     if length is not None and sum(parts) != length:
@@ -433,11 +438,7 @@ def momentum_corrected(leaves, momentum: jax.Array, residual: jax.Array, head: i
     RuntimeError: the custom call is not :func:`available`.
   """
   _check_available()
-  leaves = list(leaves)
-  for leaf in leaves:
-    if leaf.dtype != jnp.float32:
-      raise TypeError(f"the leaves must be f32, got {leaf.dtype}")
-  n = sum(leaf.size for leaf in leaves)
+  leaves, n = _f32_leaves(leaves)
   for name, value in (("momentum", momentum), ("residual", residual)):
     if value.shape != (n,) or value.dtype != jnp.float32:
       raise ValueError(f"`{name}` must be f32[{n}], the leaves' entries, got"
