@@ -283,10 +283,10 @@ def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, m
   """The native route against JAX's over two steps on 8 devices: a bucket's first-hop
   norms from the corrected gradient's call where it sums the bucket (else, a leaf of
   its own, from a norms call), its second hop's from a norms call, and no branch of
-  the norms; the means, the
-  norms (the step's scales) and the residuals agree to rounding. The calls sum the
-  squares in their own order, so a norm may move by an ulp or two (which moves a level
-  only where a draw lies that close to its threshold: no entry of these data)."""
+  the norms; the means, the norms (the step's scales) and the residuals agree to
+  rounding. The calls sum the squares in their own order, so a norm may move by an
+  ulp or two (which moves a level only where a draw lies that close to its
+  threshold: no entry of these data)."""
   buckets = {None: 1, 0.02: 2, 0.001: 12}[bucket_cap_mb]
   summed = 0 if buckets == 12 else buckets  # the buckets of more than one leaf
 
