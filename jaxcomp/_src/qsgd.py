@@ -88,8 +88,13 @@ def _inverses(norms: jax.Array) -> jax.Array:
   same binade (``|x| u``, exact), times it are their share of the norm. The
   reciprocal of ``d`` itself would flush to zero for a norm above ``2**126``;
   a division by ``d u`` XLA takes as this product anyway, in a kernel of its own."""
-  divisor = jnp.where(norms == 0, 1.0, norms)
+  divisor = _divisor(norms)
   return 1.0 / (divisor * binade.unit_factor(divisor))
+
+
+def _divisor(norms: jax.Array) -> jax.Array:
+  """What a block's entries are divided by: its norm, or 1 for a zero norm."""
+  return jnp.where(norms == 0, 1.0, norms)
 
 
 def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream=0,
@@ -115,7 +120,7 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
   # |x_i| / ||x_b|| first (levels * |x_i| overflows for |x_i| above f32's largest / s),
   # both brought to the norm's unit binade (exact), so that the inverse does not
   # underflow.
-  unit = binade.unit_factor(jnp.where(norms == 0, 1.0, norms))[:, None]
+  unit = binade.unit_factor(_divisor(norms))[:, None]
   scaled = levels * ((jnp.abs(padded) * unit) * inverses[:, None])
   floor = jnp.floor(scaled)
   up = draws.uniform(key, padded.size, stream).reshape(padded.shape) < scaled - floor

@@ -617,10 +617,7 @@ void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* 
   }
   for (int64_t b = 0; b < m; ++b) {
     const float divisor = norms[b] == 0.0f ? 1.0f : norms[b];
-    const float magnitude = std::fabs(divisor);
-    int32_t bits;
-    std::memcpy(&bits, &magnitude, sizeof(bits));
-    inverses[b] = 1.0f / (divisor * UnitFactor(bits));
+    inverses[b] = 1.0f / (divisor * UnitFactor(MagnitudeKey(divisor)));
   }
 }
 
