@@ -211,7 +211,7 @@ def test_a_large_bucket_selects_in_one_custom_call_with_the_jax_route_s_bits(fil
 @harness.needs_native
 @pytest.mark.parametrize("name, target, density", [
     ("topk", "jaxcomp_topk", 0.01), ("gtopk", "jaxcomp_topk", 0.01),
-    ("dgc", "jaxcomp_sampled_topk", 0.01), ("randomk", "jaxcomp_sent_mask", 0.01),
+    ("dgc", "jaxcomp_momentum_sampled_topk", 0.01), ("randomk", "jaxcomp_sent_mask", 0.01),
     # 9 of each chunk of 4,096: rows wide enough for the per-row call, whose encoding
     # is then the two-level call's too.
     ("sparseloco", "jaxcomp_two_level", 0.002)])
@@ -466,10 +466,14 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
         lambda axis: registry.build(name, axis, bucket_cap_mb=bucket_cap_mb, **config),
         _TWELVE, 8, ("data",))
     text = runs["compiled"].as_text()
-    # DGC's call also forms the momentum correction (no clipping here).
-    target = "jaxcomp_momentum_corrected" if name == "dgc" else "jaxcomp_corrected"
+    # DGC's calls also form the momentum correction (no clipping here): its selection
+    # forms the sum of a bucket of 4,096 sparse entries or more in its pass, and one
+    # call writes the state.
+    targets = (("jaxcomp_momentum_corrected", "jaxcomp_momentum_masked") if name == "dgc"
+               else ("jaxcomp_corrected",))
     buckets = 1 if bucket_cap_mb is None else 2
-    assert text.count(f'custom_call_target="{target}"') == buckets * int(native_route)
+    calls = sum(text.count(f'custom_call_target="{target}"') for target in targets)
+    assert calls == buckets * int(native_route)
     return runs["outs"], runs["states"]
 
   chex.assert_trees_all_equal(run(True), run(False))
@@ -1027,6 +1031,133 @@ def test_the_momentum_call_refuses_what_does_not_fit_by_name():
     native.momentum_corrected([ones], ones, ones, 2, 0.9, 1)
 
 
+@st.composite
+def _momentum_selections(draw):
+  """A leaf set with a momentum, a head of at least one entry, and a sample of it."""
+  leaves, residual = draw(_leaf_sets())
+  n = residual.size
+  hypothesis.assume(n >= 1)
+  momentum = np.asarray(draw(st.lists(_ADDEND, min_size=n, max_size=n)), np.float32)
+  head = draw(st.integers(1, n))
+  capacity = draw(st.integers(1, head))
+  positions = draw(st.lists(st.integers(0, head - 1), min_size=1, max_size=24))
+  return dict(leaves=leaves, residual=residual, momentum=momentum, head=head,
+              capacity=capacity, k=draw(st.integers(1, capacity)), positions=positions,
+              rank=draw(st.integers(1, len(positions))),
+              candidates=draw(st.integers(0, head)),
+              min_fraction=draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])),
+              coefficient=draw(st.sampled_from([0.0, 0.9, 1 / 3])), nesterov=draw(st.booleans()))
+
+
+def _select_momentum(case, select):
+  """``select`` (the fused call, or the plain one of the JAX-formed sum) of ``case``."""
+  c = case
+  positions = jnp.asarray(c["positions"], jnp.int32)
+  if select == "fused":
+    return jax.jit(lambda ls, u, e: native.momentum_sampled_topk(
+        ls, u, e, c["coefficient"], c["nesterov"], c["capacity"], c["k"], positions, c["rank"],
+        size=c["head"], candidates=c["candidates"], min_fraction=c["min_fraction"]))(
+            c["leaves"], c["momentum"], c["residual"])
+  corrected, _ = _momentum_corrected_by_jax(c["leaves"], c["momentum"], c["residual"],
+                                            c["head"], c["coefficient"], c["nesterov"])
+  return jax.jit(lambda x: native.sampled_topk(
+      x, c["capacity"], c["k"], positions, c["rank"], size=c["head"],
+      candidates=c["candidates"], min_fraction=c["min_fraction"]))(corrected)
+
+
+@harness.needs_native
+@hypothesis.given(_momentum_selections())
+def test_the_momentum_selection_call_selects_from_dgc_s_corrected_gradient(case):
+  # Every path past the sample (a count short of min_fraction * k, past the
+  # candidates, or within them), on sums with NaN, infinities and subnormals: the
+  # call that forms the sum in its pass selects what the plain call selects from it.
+  by_call, by_sum = _select_momentum(case, "fused"), _select_momentum(case, "plain")
+  np.testing.assert_array_equal(_bits(by_call)[0], _bits(by_sum)[0])
+  np.testing.assert_array_equal(_bits(by_call)[1], _bits(by_sum)[1])
+
+
+def _kept_state_by_jax(leaves, residual, momentum, sent, dense_momentum, head, coefficient,
+                       nesterov):
+  """DGC's kept residual and momentum as its JAX route writes them."""
+  corrected, whole = _momentum_corrected_by_jax(leaves, momentum, residual, head, coefficient,
+                                                nesterov)
+  return jax.jit(lambda c, w, s, d: (
+      error_feedback.zero_sent(s, c),
+      jnp.concatenate([error_feedback.zero_sent(s, w)[:head], d])))(
+          corrected, whole, sent, dense_momentum)
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.data(), st.sampled_from([0.0, 0.9, 1 / 3]), st.booleans())
+def test_the_masked_call_writes_dgc_s_kept_state(case, data, coefficient, nesterov):
+  leaves, residual = case
+  n = residual.size
+  hypothesis.assume(n >= 1)
+  momentum = np.asarray(data.draw(st.lists(_ADDEND, min_size=n, max_size=n)), np.float32)
+  dense_momentum = np.asarray(data.draw(st.lists(_ADDEND, min_size=n, max_size=n)), np.float32)
+  head = data.draw(st.integers(0, n))
+  sent_at = data.draw(st.lists(st.integers(0, max(head - 1, 0)), unique=True, max_size=head))
+  sent = error_feedback.sent_mask(n, jnp.asarray(sent_at, jnp.int32), head)
+  dense_momentum = dense_momentum[head:]
+  by_call = jax.jit(lambda ls, e, u: native.momentum_masked(
+      ls, e, u, sent, dense_momentum, head, coefficient, nesterov))(leaves, residual, momentum)
+  by_jax = _kept_state_by_jax(leaves, residual, momentum, sent, dense_momentum, head,
+                              coefficient, nesterov)
+  for got, want in zip(by_call, by_jax):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+@harness.needs_native
+@pytest.mark.parametrize("min_fraction", [0.8, 2.0])  # the candidates, or the exact fallback
+def test_the_fused_momentum_calls_two_threads_meet_exactly(min_fraction):
+  # 2.4M entries in three leaves, the head ending in the third: both halves of the
+  # selection's pass and of the masked write, and the fallback's formed sum.
+  rng = np.random.default_rng(8)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in (700_000, 1_000_001, 700_000)]
+  momentum, residual = (rng.standard_normal(2_400_001).astype(np.float32) for _ in range(2))
+  head, k = 2_000_000, 2_000
+  for nesterov in (False, True):
+    corrected, _ = _momentum_corrected_by_jax(leaves, momentum, residual, head, 0.9, nesterov)
+    candidates = selection.candidate_capacity(head, k)
+    positions, rank, _ = selection._sample(head, k, jax.random.key(3), 0.01, candidates)
+    case = dict(leaves=leaves, residual=residual, momentum=momentum, head=head, capacity=k,
+                k=k, positions=np.asarray(positions), rank=int(rank), candidates=candidates,
+                min_fraction=min_fraction, coefficient=0.9, nesterov=nesterov)
+    by_call = _select_momentum(case, "fused")
+    chex.assert_trees_all_equal(by_call, _select_momentum(case, "plain"))
+    sent = error_feedback.sent_mask(2_400_001, by_call[1], head)
+    dense_momentum = rng.standard_normal(400_001).astype(np.float32)
+    chex.assert_trees_all_equal(
+        jax.jit(lambda ls, e, u: native.momentum_masked(
+            ls, e, u, sent, dense_momentum, head, 0.9, nesterov))(leaves, residual, momentum),
+        _kept_state_by_jax(leaves, residual, momentum, sent, dense_momentum, head, 0.9,
+                           nesterov))
+
+
+@harness.needs_native
+def test_the_fused_momentum_calls_refuse_what_does_not_fit_by_name():
+  ones, at = jnp.ones(6), jnp.zeros(3, jnp.int32)
+  with pytest.raises(ValueError, match="`momentum` must be f32\\[6\\]"):
+    native.momentum_sampled_topk([ones], jnp.ones(5), ones, 0.9, False, 2, 2, at, 1, size=4,
+                                 candidates=4, min_fraction=0.8)
+  with pytest.raises(ValueError, match="`size`"):
+    native.momentum_sampled_topk([ones], ones, ones, 0.9, False, 2, 2, at, 1, size=7,
+                                 candidates=4, min_fraction=0.8)
+  with pytest.raises(ValueError, match="`positions`"):
+    native.momentum_sampled_topk([ones], ones, ones, 0.9, False, 2, 2, jnp.zeros(0, jnp.int32),
+                                 1, size=4, candidates=4, min_fraction=0.8)
+  sent = jnp.zeros(1, jnp.uint32)
+  with pytest.raises(ValueError, match="`residual` must be f32\\[6\\]"):
+    native.momentum_masked([ones], jnp.ones(7), ones, sent, jnp.ones(2), 4, 0.9, False)
+  with pytest.raises(ValueError, match="`sent` must be uint32"):
+    native.momentum_masked([ones], ones, ones, jnp.zeros(1, jnp.int32), jnp.ones(2), 4, 0.9,
+                           False)
+  with pytest.raises(ValueError, match="`dense_momentum` must be f32\\[2\\]"):
+    native.momentum_masked([ones], ones, ones, sent, jnp.ones(3), 4, 0.9, False)
+  with pytest.raises(ValueError, match="`head`"):
+    native.momentum_masked([ones], ones, ones, sent, jnp.ones(2), 7, 0.9, False)
+
+
 @harness.needs_native
 @pytest.mark.parametrize("config", [
     {}, dict(nesterov=True), dict(sparse_leaves="all"), dict(warmup_steps=4),
@@ -1034,22 +1165,26 @@ def test_the_momentum_call_refuses_what_does_not_fit_by_name():
     dict(clip_norm=0.5)])
 @pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
 def test_dgc_s_momentum_call_gives_the_jax_route_s_bits(config, bucket_cap_mb, monkeypatch):
-  """DGC with the momentum call against its JAX route on the fused gradient (the
+  """DGC with the momentum calls against its JAX route on the fused gradient (the
   buckets' leaves fused in XLA), two steps on 8 devices, every other call native in
-  both: the same outputs and states, bit for bit. One call per bucket, none where DGC
-  clips."""
+  both: the same outputs and states, bit for bit. A bucket of 4,096 sparse entries or
+  more selects in the momentum's pass and writes its state in one masked call (one
+  bucket of 7,200 here; with buckets, the first of 4,800), a smaller one takes the
+  momentum call (the second bucket's 2,400); none where DGC clips."""
 
   def run():
     runs = harness.run_two_steps(
         lambda axis: registry.build("dgc", axis, density=0.05, bucket_cap_mb=bucket_cap_mb,
                                     **config), _TWELVE, 8, ("data",))
     text = runs["compiled"].as_text()
-    calls = text.count('custom_call_target="jaxcomp_momentum_corrected"')
+    calls = [text.count(f'custom_call_target="jaxcomp_momentum_{kind}"')
+             for kind in ("corrected", "masked")]
     return calls, runs["outs"], runs["states"]
 
   calls, *by_call = run()
-  assert calls == (0 if "clip_norm" in config else 1 if bucket_cap_mb is None else 2)
+  assert calls == ([0, 0] if "clip_norm" in config else [0, 1] if bucket_cap_mb is None
+                   else [1, 1])
   monkeypatch.setattr(protocol, "_native_sum", lambda bucket, leaves_apart: False)
   jax_calls, *by_jax = run()
-  assert jax_calls == 0
+  assert jax_calls == [0, 0]
   chex.assert_trees_all_equal(by_call, by_jax)

@@ -81,7 +81,9 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_lowrank_residual": "JaxcompLowrankResidual",
             "jaxcomp_densify_leaves": "JaxcompDensifyLeaves",
             "jaxcomp_block_norms": "JaxcompBlockNorms",
-            "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected"}
+            "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected",
+            "jaxcomp_momentum_sampled_topk": "JaxcompMomentumSampledTopk",
+            "jaxcomp_momentum_masked": "JaxcompMomentumMasked"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
@@ -211,6 +213,15 @@ def topk(x: jax.Array, capacity: int, k=None) -> tuple[jax.Array, jax.Array]:
   return _call("jaxcomp_topk", capacity, x.astype(jnp.float32), jnp.asarray(k, jnp.int32))
 
 
+def _checked_sample(positions: jax.Array, rank, candidates: int) -> int:
+  """The checks of a sampled selection's sample (:func:`sampled_topk`); its ``candidates``."""
+  if positions.ndim != 1 or positions.shape[0] < 1:
+    raise ValueError(f"`positions` must be a non-empty vector, got shape {positions.shape}")
+  if isinstance(rank, int):
+    checks.check_number(rank, "rank", integer=True, low=1, high=positions.shape[0])
+  return checks.check_number(candidates, "candidates", integer=True, low=0)
+
+
 def sampled_topk(
     x: jax.Array, capacity: int, k, positions: jax.Array, rank, *, size: int,
     candidates: int, min_fraction: float,
@@ -245,11 +256,7 @@ def sampled_topk(
   """
   size = checks.check_number(size, "size", integer=True, low=1, high=x.shape[0])
   capacity, k = _check(capacity, k, size)
-  if positions.ndim != 1 or positions.shape[0] < 1:
-    raise ValueError(f"`positions` must be a non-empty vector, got shape {positions.shape}")
-  if isinstance(rank, int):
-    checks.check_number(rank, "rank", integer=True, low=1, high=positions.shape[0])
-  candidates = checks.check_number(candidates, "candidates", integer=True, low=0)
+  candidates = _checked_sample(positions, rank, candidates)
   return _call("jaxcomp_sampled_topk", capacity, x.astype(jnp.float32),
                jnp.asarray(k, jnp.int32), jnp.asarray(positions, jnp.int32),
                jnp.asarray(rank, jnp.int32), size=np.int64(size),
@@ -412,6 +419,17 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
   return out[0] if parts is None else tuple(out)
 
 
+def _momentum_inputs(leaves, momentum: jax.Array, residual: jax.Array) -> tuple[list, int]:
+  """The f32 leaves and their entries ``n``, with ``momentum`` and ``residual`` checked
+  to be ``f32[n]``."""
+  leaves, n = _f32_leaves(leaves)
+  for name, value in (("momentum", momentum), ("residual", residual)):
+    if value.shape != (n,) or value.dtype != jnp.float32:
+      raise ValueError(f"`{name}` must be f32[{n}], the leaves' entries, got"
+                       f" {value.dtype}{list(value.shape)}")
+  return leaves, n
+
+
 def momentum_corrected(leaves, momentum: jax.Array, residual: jax.Array, head: int,
                        coefficient: float, nesterov: bool) -> tuple[jax.Array, jax.Array]:
   """Deep Gradient Compression's momentum correction and error feedback's addition by the
@@ -438,16 +456,86 @@ def momentum_corrected(leaves, momentum: jax.Array, residual: jax.Array, head: i
     RuntimeError: the custom call is not :func:`available`.
   """
   _check_available()
-  leaves, n = _f32_leaves(leaves)
-  for name, value in (("momentum", momentum), ("residual", residual)):
-    if value.shape != (n,) or value.dtype != jnp.float32:
-      raise ValueError(f"`{name}` must be f32[{n}], the leaves' entries, got"
-                       f" {value.dtype}{list(value.shape)}")
+  leaves, n = _momentum_inputs(leaves, momentum, residual)
   head = checks.check_number(head, "head", integer=True, low=0, high=n)
   flat = jax.ShapeDtypeStruct((n,), jnp.float32)
   return tuple(jax.ffi.ffi_call("jaxcomp_momentum_corrected", (flat, flat),
                                 vmap_method="sequential")(
       momentum, residual, *leaves, head=np.int64(head), coefficient=np.float32(coefficient),
+      nesterov=np.int64(checks.check_bool(nesterov, "nesterov"))))
+
+
+def momentum_sampled_topk(leaves, momentum: jax.Array, residual: jax.Array, coefficient: float,
+                          nesterov: bool, capacity: int, k, positions: jax.Array, rank, *,
+                          size: int, candidates: int, min_fraction: float
+                          ) -> tuple[jax.Array, jax.Array]:
+  """:func:`sampled_topk` of the corrected gradient of :func:`momentum_corrected`, by one
+  custom call (CPU only) that forms it in its pass, a chunk at a time, and writes none
+  of it: the same values and indices bit for bit.
+
+  Args:
+    leaves, momentum, residual, coefficient, nesterov: as :func:`momentum_corrected`.
+    capacity, k, positions, rank, candidates, min_fraction: as :func:`sampled_topk`.
+    size: static, the sparse head the selection reads (:func:`momentum_corrected`'s
+      ``head``), ``1 <= size <= n``.
+
+  Returns:
+    ``(values [capacity], int32 indices [capacity])``: :func:`sampled_topk` of
+    :func:`momentum_corrected`'s ``corrected`` with ``head=size``.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  leaves, n = _momentum_inputs(leaves, momentum, residual)
+  size = checks.check_number(size, "size", integer=True, low=1, high=n)
+  capacity, k = _check(capacity, k, size)
+  candidates = _checked_sample(positions, rank, candidates)
+  return _call("jaxcomp_momentum_sampled_topk", capacity, momentum, residual,
+               jnp.asarray(k, jnp.int32), jnp.asarray(positions, jnp.int32),
+               jnp.asarray(rank, jnp.int32), *leaves, size=np.int64(size),
+               coefficient=np.float32(coefficient),
+               nesterov=np.int64(checks.check_bool(nesterov, "nesterov")),
+               candidates=np.int64(candidates), min_fraction=np.float32(min_fraction))
+
+
+def momentum_masked(leaves, residual: jax.Array, momentum: jax.Array, sent: jax.Array,
+                    dense_momentum: jax.Array, head: int, coefficient: float,
+                    nesterov: bool) -> tuple[jax.Array, jax.Array]:
+  """DGC's kept state, formed again from the leaves and the old state and written over
+  it in place where XLA can give the call the buffers (donated), by one custom call
+  (CPU only): the same bits as :func:`jaxcomp._src.dgc.dgc`'s step.
+
+  Args:
+    leaves, residual, momentum, head, coefficient, nesterov: as
+      :func:`momentum_corrected`.
+    sent: ``uint32[>= ceil(n / 32)]``, the packed mask of what was sent
+      (:func:`jaxcomp._src.error_feedback.sent_mask`).
+    dense_momentum: ``f32[n - head]``, the new momentum of the positions after the head.
+
+  Returns:
+    ``(new_residual, new_momentum)``, ``f32[n]`` each: the residual is
+    :func:`momentum_corrected`'s ``corrected`` and the momentum its ``new_momentum``
+    on the head, ``dense_momentum`` after it, each set to 0 where ``sent`` has the
+    position's bit (the momentum on the head only).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  leaves, n = _momentum_inputs(leaves, momentum, residual)
+  head = checks.check_number(head, "head", integer=True, low=0, high=n)
+  if sent.dtype != jnp.uint32 or sent.ndim != 1 or 32 * sent.shape[0] < n:
+    raise ValueError(f"`sent` must be uint32[>= {-(-n // 32)}], got {sent.dtype}"
+                     f"{list(sent.shape)}")
+  if dense_momentum.shape != (n - head,) or dense_momentum.dtype != jnp.float32:
+    raise ValueError(f"`dense_momentum` must be f32[{n - head}], the entries after the head,"
+                     f" got {dense_momentum.dtype}{list(dense_momentum.shape)}")
+  flat = jax.ShapeDtypeStruct((n,), jnp.float32)
+  return tuple(jax.ffi.ffi_call("jaxcomp_momentum_masked", (flat, flat),
+                                vmap_method="sequential", input_output_aliases={0: 0, 1: 1})(
+      residual, momentum, sent, dense_momentum, *leaves, head=np.int64(head),
+      coefficient=np.float32(coefficient),
       nesterov=np.int64(checks.check_bool(nesterov, "nesterov"))))
 
 

@@ -515,12 +515,11 @@ def sampled_topk(
     # (an n-sized copy); behind the barrier the head is read in place.
     x = lax.optimization_barrier(x)
   tuning = tuning or Tuning()
-  small = tuning.sampled_min_size is not None and size < tuning.sampled_min_size
-  if capacity >= size or not tuning.sampled or small:
+  if not _samples(size, capacity, tuning):
     return select_topk(x[:size], capacity, k)
   candidates = candidate_capacity(size, capacity, tuning)
   if native_route(tuning):
-    positions, rank, _ = _sample(size, k, key, sample_ratio, candidates, tuning)
+    positions, rank, candidates = call_sample(size, capacity, k, key, sample_ratio, tuning)
     return native.sampled_topk(x, capacity, k, positions, rank, size=size,
                                candidates=candidates, min_fraction=tuning.min_fraction)
   index, total = threshold_candidates(x[:size], k, key, sample_ratio, candidates, tuning)
@@ -533,6 +532,29 @@ def sampled_topk(
       enough & fits,
       lambda: _largest_candidates(x, index, total, k, capacity),
       lambda: _topk_by_radix(x, capacity, k, size))
+
+
+def _samples(n: int, capacity: int, tuning: Tuning) -> bool:
+  """:func:`sampled_topk` of ``n`` entries at ``capacity`` draws a sample (else it is
+  :func:`select_topk`)."""
+  small = tuning.sampled_min_size is not None and n < tuning.sampled_min_size
+  return capacity < n and tuning.sampled and not small
+
+
+def sampled_in_call(n: int, capacity: int, tuning: Tuning) -> bool:
+  """:func:`sampled_topk` of ``n`` entries at ``capacity`` is one native custom call after
+  the draw of its sample (:func:`call_sample`), which a caller may make of its own."""
+  return _samples(n, capacity, tuning) and native_route(tuning)
+
+
+def call_sample(n: int, capacity: int, k, key: jax.Array, sample_ratio: float,
+                tuning: Tuning) -> tuple[jax.Array, jax.Array, int]:
+  """What :func:`sampled_topk`'s custom call takes besides the entries, where
+  :func:`sampled_in_call`: ``(int32 positions [s], the threshold's rank, the
+  candidates' capacity)`` (:func:`jaxcomp._src.native.sampled_topk`)."""
+  candidates = candidate_capacity(n, capacity, tuning)
+  positions, rank, _ = _sample(n, k, key, sample_ratio, candidates, tuning)
+  return positions, rank, candidates
 
 
 def _largest_candidates(x, index, total, k, capacity):

@@ -50,6 +50,16 @@
 // gradient and the new momentum, where XLA:CPU copied the leaves into a buffer of their
 // own first, which the step's momentum then read again.
 //
+// JaxcompMomentumSampledTopk: JaxcompSampledTopk of DGC's corrected gradient formed in
+// its pass from the leaves, the momentum and the residual (as JaxcompMomentumCorrected
+// forms it, the same bits), a chunk at a time in cache: nothing of n entries is written.
+//
+// JaxcompMomentumMasked: DGC's state once the step is kept (jaxcomp/_src/dgc.py's step,
+// the same bits), formed again from the leaves, the momentum and the residual, and
+// written over them in place: the residual the corrected gradient, the momentum the new
+// one, each 0 where the packed mask says the entry was sent (the dense leaves' momentum
+// is given, their residual the corrected gradient masked the same way).
+//
 // JaxcompBlockNorms: QSGD's norm of each block (jaxcomp/_src/qsgd.py's _norms: each
 // block's from its squares, or, where any of those overflows, every block's from its
 // entries brought to a unit binade) and the inverse QSGD multiplies by, 1 / (d u),
@@ -118,25 +128,27 @@ inline bool AnyReaches(const float* x, int32_t bound) {
   return any != 0;
 }
 
-// The indices in [begin, end) whose key is at least `threshold` (at most inf's
-// bits, as every key), increasing; the pass stops once more than `limit` are
-// kept (then only their count past `limit` matters to the caller).
-void Keep(const float* x, int64_t begin, int64_t end, int32_t threshold, int64_t limit,
-          std::vector<int32_t>* kept) {
+// Appends to `kept` the positions base + j (j < count) whose key x[j] is at least
+// `threshold` (at most inf's bits, as every key), increasing, and their values to
+// `values` where it is not null; false once more than `limit` are kept (the pass
+// stops: then only their count past `limit` matters to the caller).
+bool KeepIn(const float* x, int64_t base, int64_t count, int32_t threshold, int64_t limit,
+            std::vector<int32_t>* kept, std::vector<float>* values) {
   auto keep = [&](int64_t from, int64_t to) {
-    for (int64_t i = from; i < to; ++i) {
-      if (MagnitudeKey(x[i]) >= threshold) {
-        kept->push_back(static_cast<int32_t>(i));
+    for (int64_t j = from; j < to; ++j) {
+      if (MagnitudeKey(x[j]) >= threshold) {
+        kept->push_back(static_cast<int32_t>(base + j));
+        if (values != nullptr) values->push_back(x[j]);
         if (static_cast<int64_t>(kept->size()) > limit) return false;
       }
     }
     return true;
   };
-  int64_t i = begin;
-  for (; i + kBlock <= end; i += kBlock) {
-    if (AnyReaches(x + i, threshold) && !keep(i, i + kBlock)) return;
+  int64_t j = 0;
+  for (; j + kBlock <= count; j += kBlock) {
+    if (AnyReaches(x + j, threshold) && !keep(j, j + kBlock)) return false;
   }
-  keep(i, end);
+  return keep(j, count);
 }
 
 // Runs `first` here and `second` on a second thread. An exception of either is
@@ -184,18 +196,33 @@ void OverParts(const std::vector<int64_t>& starts, size_t parts, int64_t begin, 
   }
 }
 
-std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
-  std::vector<int32_t> first;
+// What a pass kept: positions, increasing, and where asked their values.
+struct Kept {
+  std::vector<int32_t> indices;
+  std::vector<float> values;
+};
+
+// `keep(begin, end, &kept)` over [0, n): on two threads, one per half, where n is at
+// least kSplitAbove, the halves joined in order.
+template <typename KeepSpan>
+Kept KeepHalves(int64_t n, KeepSpan keep) {
+  Kept first;
   if (n < kSplitAbove) {
-    Keep(x, 0, n, threshold, limit, &first);
+    keep(0, n, &first);
     return first;
   }
-  std::vector<int32_t> second;
+  Kept second;
   const int64_t half = n / 2;
-  InParallel([&] { Keep(x, 0, half, threshold, limit, &first); },
-             [&] { Keep(x, half, n, threshold, limit, &second); });
-  first.insert(first.end(), second.begin(), second.end());
+  InParallel([&] { keep(0, half, &first); }, [&] { keep(half, n, &second); });
+  first.indices.insert(first.indices.end(), second.indices.begin(), second.indices.end());
+  first.values.insert(first.values.end(), second.values.begin(), second.values.end());
   return first;
+}
+
+std::vector<int32_t> KeepAll(const float* x, int64_t n, int32_t threshold, int64_t limit) {
+  return KeepHalves(n, [&](int64_t begin, int64_t end, Kept* kept) {
+    KeepIn(x + begin, begin, end - begin, threshold, limit, &kept->indices, nullptr);
+  }).indices;
 }
 
 // The key that about 1.25 k of the n entries reach, from a strided sample.
@@ -212,13 +239,14 @@ int32_t SampledThreshold(const float* x, int64_t n, int64_t k) {
   return sample[rank - 1];
 }
 
-// Writes the k largest keys among `kept` (increasing indices, k <= their count),
-// ties to the lower index, in index order; returns k.
-int64_t WriteLargest(const float* data, const std::vector<int32_t>& kept, int64_t k,
+// Writes the k largest keys among `kept` (increasing indices, k <= their count; the
+// j-th's value value_of(j)), ties to the lower index, in index order; returns k.
+template <typename ValueOf>
+int64_t WriteLargest(const std::vector<int32_t>& kept, ValueOf value_of, int64_t k,
                      float* out_values, int32_t* out_indices) {
   if (k <= 0) return 0;
   std::vector<int32_t> keys(kept.size());
-  for (size_t j = 0; j < kept.size(); ++j) keys[j] = MagnitudeKey(data[kept[j]]);
+  for (size_t j = 0; j < kept.size(); ++j) keys[j] = MagnitudeKey(value_of(j));
   std::vector<int32_t> ranked = keys;
   std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(),
                    std::greater<int32_t>());
@@ -229,7 +257,7 @@ int64_t WriteLargest(const float* data, const std::vector<int32_t>& kept, int64_
   int64_t slot = 0;
   for (size_t j = 0; j < kept.size() && slot < k; ++j) {
     if (keys[j] > cut || (keys[j] == cut && ties-- > 0)) {
-      out_values[slot] = data[kept[j]];
+      out_values[slot] = value_of(j);
       out_indices[slot] = kept[j];
       ++slot;
     }
@@ -243,7 +271,7 @@ int64_t WriteTopk(const float* data, int64_t n, int64_t k, float* out_values,
   if (k <= 0) return 0;
   std::vector<int32_t> kept = KeepAll(data, n, SampledThreshold(data, n, k), n);
   if (static_cast<int64_t>(kept.size()) < k) kept = KeepAll(data, n, 0, n);
-  return WriteLargest(data, kept, k, out_values, out_indices);
+  return WriteLargest(kept, [&](size_t j) { return data[kept[j]]; }, k, out_values, out_indices);
 }
 
 // Runs `body`; an exception becomes an FFI error, never the end of the process.
@@ -291,14 +319,10 @@ ffi::Error TopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
   });
 }
 
-ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
-                           ffi::Buffer<ffi::S32> positions, ffi::BufferR0<ffi::S32> rank_buffer,
-                           int64_t size, int64_t candidates, float min_fraction,
-                           int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
-                           ffi::ResultBuffer<ffi::S32> indices) {
-  if (size < 1 || size > static_cast<int64_t>(x.element_count())) {
-    return ffi::Error::InvalidArgument("size must be within [1, the length of x]");
-  }
+// The sample's positions, each checked to lie in [0, size), and the threshold's rank
+// among them clamped to [1, their count].
+ffi::Error CheckedSample(ffi::Buffer<ffi::S32>& positions, ffi::BufferR0<ffi::S32>& rank_buffer,
+                         int64_t size, int64_t* rank) {
   const int64_t drawn = static_cast<int64_t>(positions.element_count());
   if (drawn < 1) return ffi::Error::InvalidArgument("the sample must hold a position");
   const int32_t* position = positions.typed_data();
@@ -307,25 +331,62 @@ ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_bu
       return ffi::Error::InvalidArgument("sample positions must lie within [0, size)");
     }
   }
-  const int64_t rank = std::clamp<int64_t>(rank_buffer.typed_data()[0], 1, drawn);
+  *rank = std::clamp<int64_t>(rank_buffer.typed_data()[0], 1, drawn);
+  return ffi::Error::Success();
+}
+
+// jaxcomp/_src/selection.py's sampled_topk from its sample's keys: the threshold is the
+// rank-th largest key; `keep(threshold, limit)` keeps the entries that reach it (at most
+// limit + 1 of them, then the count is off) with `value_of(kept, j)` the j-th's value;
+// a count within [min_fraction * k, candidates] gives the min(k, count) largest of
+// them, any other the exact top k from `exact(out_values, out_indices)`.
+template <typename KeepAbove, typename ValueOf, typename Exact>
+int64_t SampledSelect(std::vector<int32_t> sample, int64_t rank, int64_t k, int64_t candidates,
+                      float min_fraction, KeepAbove keep, ValueOf value_of, Exact exact,
+                      float* out_values, int32_t* out_indices) {
+  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                   std::greater<int32_t>());
+  const Kept kept = keep(sample[rank - 1], candidates);
+  const int64_t total = static_cast<int64_t>(kept.indices.size());
+  // In f32, as sampled_topk compares them.
+  const bool enough = static_cast<float>(total) >= min_fraction * static_cast<float>(k);
+  if (enough && total <= candidates) {
+    return WriteLargest(kept.indices, [&](size_t j) { return value_of(kept, j); },
+                        std::min(k, total), out_values, out_indices);
+  }
+  return exact(out_values, out_indices);
+}
+
+ffi::Error SampledTopkImpl(ffi::Buffer<ffi::F32> x, ffi::BufferR0<ffi::S32> k_buffer,
+                           ffi::Buffer<ffi::S32> positions, ffi::BufferR0<ffi::S32> rank_buffer,
+                           int64_t size, int64_t candidates, float min_fraction,
+                           int32_t empty_index, ffi::ResultBuffer<ffi::F32> values,
+                           ffi::ResultBuffer<ffi::S32> indices) {
+  if (size < 1 || size > static_cast<int64_t>(x.element_count())) {
+    return ffi::Error::InvalidArgument("size must be within [1, the length of x]");
+  }
+  int64_t rank = 0;
+  if (ffi::Error error = CheckedSample(positions, rank_buffer, size, &rank); error.failure()) {
+    return error;
+  }
   const float* data = x.typed_data();
   return Fill("jaxcomp_sampled_topk", values, indices, empty_index,
               [&](int64_t capacity, float* out_values, int32_t* out_indices) {
     const int64_t k =
         std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, size));
-    std::vector<int32_t> sample(drawn);
-    for (int64_t j = 0; j < drawn; ++j) sample[j] = MagnitudeKey(data[position[j]]);
-    std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
-                     std::greater<int32_t>());
-    const int32_t threshold = sample[rank - 1];
-    std::vector<int32_t> kept = KeepAll(data, size, threshold, candidates);
-    const int64_t total = static_cast<int64_t>(kept.size());
-    // In f32, as sampled_topk compares them.
-    const bool enough = static_cast<float>(total) >= min_fraction * static_cast<float>(k);
-    if (enough && total <= candidates) {
-      return WriteLargest(data, kept, std::min(k, total), out_values, out_indices);
-    }
-    return WriteTopk(data, size, k, out_values, out_indices);
+    const int32_t* position = positions.typed_data();
+    std::vector<int32_t> sample(positions.element_count());
+    for (size_t j = 0; j < sample.size(); ++j) sample[j] = MagnitudeKey(data[position[j]]);
+    return SampledSelect(
+        std::move(sample), rank, k, candidates, min_fraction,
+        [&](int32_t threshold, int64_t limit) {
+          return Kept{KeepAll(data, size, threshold, limit), {}};
+        },
+        [&](const Kept& kept, size_t j) { return data[kept.indices[j]]; },
+        [&](float* to_values, int32_t* to_indices) {
+          return WriteTopk(data, size, k, to_values, to_indices);
+        },
+        out_values, out_indices);
   });
 }
 
@@ -582,6 +643,13 @@ JAXCOMP_WIDE float SumOfSquares(const float* x, int64_t n, float f) {
   return Joined(lane) + tail;
 }
 
+// The largest magnitude key (NaN as inf) of the n entries at x.
+int32_t LargestKey(const float* x, int64_t n) {
+  int32_t top = 0;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, MagnitudeKey(x[j]));
+  return top;
+}
+
 // Blocks [first, last) of `block` entries at x: each one's L2 norm from its squares.
 void PlainNorms(const float* x, int64_t block, int64_t first, int64_t last, float* norms) {
   for (int64_t b = first; b < last; ++b) {
@@ -596,9 +664,7 @@ void PlainNorms(const float* x, int64_t block, int64_t first, int64_t last, floa
 void ScaledNorms(const float* x, int64_t block, int64_t first, int64_t last, float* norms) {
   for (int64_t b = first; b < last; ++b) {
     const float* entries = x + b * block;
-    int32_t top = 0;
-    for (int64_t j = 0; j < block; ++j) top = std::max(top, MagnitudeKey(entries[j]));
-    const float f = UnitFactor(top);
+    const float f = UnitFactor(LargestKey(entries, block));
     norms[b] = std::sqrt(SumOfSquares(entries, block, f)) / f;
   }
 }
@@ -625,10 +691,7 @@ void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* 
 // as the f32 whose bits it is, for the blocks from `first` to `last` - 1.
 void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, float* maxima) {
   for (int64_t b = first; b < last; ++b) {
-    int32_t top = 0;
-    for (int64_t j = b * block; j < (b + 1) * block; ++j) {
-      top = std::max(top, MagnitudeKey(out[j]));
-    }
+    const int32_t top = LargestKey(out + b * block, block);
     std::memcpy(maxima + b, &top, sizeof(top));
   }
 }
@@ -732,12 +795,22 @@ ffi::Error BlockNormsImpl(ffi::Buffer<ffi::F32> x, int64_t block,
 
 // --------------------------------------------------------------- momentum correction
 
-// Deep Gradient Compression's momentum correction at positions [begin, end) of the
-// leaves end to end (jaxcomp/_src/dgc.py's prepare, then error feedback's addition, the
-// same bits): each position's new momentum u' = m u + g (Nesterov: m (u + g)), written
-// to `momentum_out`; and its corrected gradient, the velocity (u', Nesterov u' + g)
-// on the first `head` positions (the sparse leaves), the gradient itself on the rest,
-// plus the residual, written to `corrected`.
+// Deep Gradient Compression's new momentum, u' = m u + g (Nesterov: m (u + g)), and
+// the corrected gradient of a sparse position, its velocity (u', Nesterov u' + g) plus
+// the residual: one f32 operation each, as jaxcomp/_src/dgc.py's accumulate, then
+// error feedback's addition.
+inline float NextMomentum(float coefficient, float u, float g, bool nesterov) {
+  return nesterov ? coefficient * (u + g) : coefficient * u + g;
+}
+inline float Corrected(float next, float g, float e, bool nesterov) {
+  return (nesterov ? next + g : next) + e;
+}
+
+// DGC's momentum correction at positions [begin, end) of the leaves end to end
+// (jaxcomp/_src/dgc.py's prepare, then error feedback's addition, the same bits): each
+// position's new momentum written to `momentum_out`; and its corrected gradient, the
+// velocity plus the residual on the first `head` positions (the sparse leaves), the
+// gradient plus the residual on the rest, written to `corrected`.
 void MomentumSpan(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
                   const float* momentum, const float* residual, int64_t head, float coefficient,
                   bool nesterov, float* corrected, float* momentum_out, int64_t begin,
@@ -748,12 +821,13 @@ void MomentumSpan(const std::vector<const float*>& leaves, const std::vector<int
     float* out = corrected + i;
     float* u_out = momentum_out + i;
     const int64_t sparse = std::clamp<int64_t>(head - i, 0, count);
+    // Each form in loops of its own, which the compiler vectorizes.
     if (nesterov) {
-      for (int64_t j = 0; j < count; ++j) u_out[j] = coefficient * (u[j] + g[j]);
-      for (int64_t j = 0; j < sparse; ++j) out[j] = (u_out[j] + g[j]) + e[j];
+      for (int64_t j = 0; j < count; ++j) u_out[j] = NextMomentum(coefficient, u[j], g[j], true);
+      for (int64_t j = 0; j < sparse; ++j) out[j] = Corrected(u_out[j], g[j], e[j], true);
     } else {
-      for (int64_t j = 0; j < count; ++j) u_out[j] = coefficient * u[j] + g[j];
-      for (int64_t j = 0; j < sparse; ++j) out[j] = u_out[j] + e[j];
+      for (int64_t j = 0; j < count; ++j) u_out[j] = NextMomentum(coefficient, u[j], g[j], false);
+      for (int64_t j = 0; j < sparse; ++j) out[j] = Corrected(u_out[j], g[j], e[j], false);
     }
     for (int64_t j = sparse; j < count; ++j) out[j] = g[j] + e[j];
   });
@@ -780,6 +854,164 @@ ffi::Error MomentumCorrectedImpl(ffi::Buffer<ffi::F32> momentum, ffi::Buffer<ffi
       MomentumSpan(data, offsets, momentum.typed_data(), residual.typed_data(), head,
                    coefficient, nesterov != 0, corrected->typed_data(),
                    new_momentum->typed_data(), first, last);
+    });
+  });
+}
+
+// The corrected gradient of `count` sparse positions, whose gradient, momentum and
+// residual start at g, u and e, written to `out` (MomentumSpan's, not stored there).
+void VelocityRun(const float* g, const float* u, const float* e, int64_t count,
+                 float coefficient, bool nesterov, float* out) {
+  if (nesterov) {
+    for (int64_t j = 0; j < count; ++j) {
+      out[j] = Corrected(NextMomentum(coefficient, u[j], g[j], true), g[j], e[j], true);
+    }
+  } else {
+    for (int64_t j = 0; j < count; ++j) {
+      out[j] = Corrected(NextMomentum(coefficient, u[j], g[j], false), g[j], e[j], false);
+    }
+  }
+}
+
+// The momentum, the residual and the leaves of a DGC call, with the momentum's form.
+struct MomentumInputs {
+  std::vector<const float*> leaves;
+  std::vector<int64_t> offsets;
+  const float* momentum;
+  const float* residual;
+  float coefficient;
+  bool nesterov;
+
+  // The corrected gradient at positions [begin, end) (sparse ones), into `out`.
+  void Velocities(int64_t begin, int64_t end, float* out) const {
+    OverLeaves(leaves, offsets, begin, end, [&](const float* g, int64_t i, int64_t count) {
+      VelocityRun(g, momentum + i, residual + i, count, coefficient, nesterov, out + (i - begin));
+    });
+  }
+};
+
+// Entries of the corrected gradient formed at a time, in cache, for the threshold's test.
+constexpr int64_t kChunk = 4096;
+
+ffi::Error MomentumSampledTopkImpl(ffi::Buffer<ffi::F32> momentum, ffi::Buffer<ffi::F32> residual,
+                                   ffi::BufferR0<ffi::S32> k_buffer,
+                                   ffi::Buffer<ffi::S32> positions,
+                                   ffi::BufferR0<ffi::S32> rank_buffer, ffi::RemainingArgs leaves,
+                                   int64_t size, float coefficient, int64_t nesterov,
+                                   int64_t candidates, float min_fraction, int32_t empty_index,
+                                   ffi::ResultBuffer<ffi::F32> values,
+                                   ffi::ResultBuffer<ffi::S32> indices) {
+  MomentumInputs in{{}, {}, momentum.typed_data(), residual.typed_data(), coefficient,
+                    nesterov != 0};
+  if (ffi::Error error = LeafData(leaves, &in.leaves, &in.offsets); error.failure()) return error;
+  const int64_t n = in.offsets.back();
+  if (static_cast<int64_t>(momentum.element_count()) != n ||
+      static_cast<int64_t>(residual.element_count()) != n || size < 1 || size > n) {
+    return ffi::Error::InvalidArgument(
+        "the momentum and the residual must be as long as the leaves, and size within"
+        " [1, their length]");
+  }
+  int64_t rank = 0;
+  if (ffi::Error error = CheckedSample(positions, rank_buffer, size, &rank); error.failure()) {
+    return error;
+  }
+  return Fill("jaxcomp_momentum_sampled_topk", values, indices, empty_index,
+              [&](int64_t capacity, float* out_values, int32_t* out_indices) {
+    const int64_t k =
+        std::clamp<int64_t>(k_buffer.typed_data()[0], 0, std::min(capacity, size));
+    const int32_t* position = positions.typed_data();
+    std::vector<int32_t> sample(positions.element_count());
+    // Run by run of consecutive positions (the sample's runs of 32), each formed at once.
+    std::vector<float> run;
+    for (size_t j = 0; j < sample.size();) {
+      size_t stop = j + 1;
+      while (stop < sample.size() && position[stop] == position[stop - 1] + 1) ++stop;
+      run.resize(stop - j);
+      in.Velocities(position[j], position[j] + static_cast<int64_t>(stop - j), run.data());
+      for (size_t r = j; r < stop; ++r) sample[r] = MagnitudeKey(run[r - j]);
+      j = stop;
+    }
+    auto keep = [&](int32_t threshold, int64_t limit) {
+      return KeepHalves(size, [&](int64_t begin, int64_t end, Kept* kept) {
+        std::vector<float> chunk(kChunk);
+        for (int64_t from = begin; from < end; from += kChunk) {
+          const int64_t count = std::min(kChunk, end - from);
+          in.Velocities(from, from + count, chunk.data());
+          if (!KeepIn(chunk.data(), from, count, threshold, limit, &kept->indices,
+                      &kept->values)) {
+            return;
+          }
+        }
+      });
+    };
+    return SampledSelect(
+        std::move(sample), rank, k, candidates, min_fraction, keep,
+        [&](const Kept& kept, size_t j) { return kept.values[j]; },
+        [&](float* to_values, int32_t* to_indices) {
+          std::vector<float> corrected(size);
+          InHalves(size, size, [&](int64_t first, int64_t last) {
+            in.Velocities(first, last, corrected.data() + first);
+          });
+          return WriteTopk(corrected.data(), size, k, to_values, to_indices);
+        },
+        out_values, out_indices);
+  });
+}
+
+ffi::Error MomentumMaskedImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> momentum,
+                              ffi::Buffer<ffi::U32> sent, ffi::Buffer<ffi::F32> dense_momentum,
+                              ffi::RemainingArgs leaves, int64_t head, float coefficient,
+                              int64_t nesterov, ffi::ResultBuffer<ffi::F32> new_residual,
+                              ffi::ResultBuffer<ffi::F32> new_momentum) {
+  MomentumInputs in{{}, {}, momentum.typed_data(), residual.typed_data(), coefficient,
+                    nesterov != 0};
+  if (ffi::Error error = LeafData(leaves, &in.leaves, &in.offsets); error.failure()) return error;
+  const int64_t n = in.offsets.back();
+  if (static_cast<int64_t>(momentum.element_count()) != n ||
+      static_cast<int64_t>(residual.element_count()) != n ||
+      static_cast<int64_t>(new_momentum->element_count()) != n ||
+      static_cast<int64_t>(new_residual->element_count()) != n || head < 0 || head > n ||
+      static_cast<int64_t>(dense_momentum.element_count()) != n - head ||
+      static_cast<int64_t>(sent.element_count()) * 32 < n) {
+    return ffi::Error::InvalidArgument(
+        "the residual, the momentum and both outputs must be as long as the leaves, the head"
+        " within them, the dense momentum as long as the rest and the mask cover them all");
+  }
+  const uint32_t* bits = sent.typed_data();
+  const float* tail = dense_momentum.typed_data();
+  float* e_out = new_residual->typed_data();
+  float* u_out = new_momentum->typed_data();
+  // Read before written at each position: the outputs may be the inputs (aliased).
+  return Guarded("jaxcomp_momentum_masked", [&] {
+    InHalves(n, n, [&](int64_t first, int64_t last) {
+      OverLeaves(in.leaves, in.offsets, first, last,
+                 [&](const float* g, int64_t i, int64_t count) {
+        const float* u = in.momentum;
+        const float* e = in.residual;
+        const int64_t sparse = std::clamp<int64_t>(head - i, 0, count);
+        auto was_sent = [&](int64_t at) { return (bits[at >> 5] >> (at & 31)) & 1u; };
+        auto masked = [&](bool nesterov_form) {
+          for (int64_t j = 0; j < sparse; ++j) {
+            const int64_t at = i + j;
+            const float next = NextMomentum(coefficient, u[at], g[j], nesterov_form);
+            const float kept = Corrected(next, g[j], e[at], nesterov_form);
+            const bool zero = was_sent(at);
+            u_out[at] = zero ? 0.0f : next;
+            e_out[at] = zero ? 0.0f : kept;
+          }
+        };
+        if (in.nesterov) {
+          masked(true);
+        } else {
+          masked(false);
+        }
+        for (int64_t j = sparse; j < count; ++j) {
+          const int64_t at = i + j;
+          const float kept = g[j] + e[at];
+          u_out[at] = tail[at - head];
+          e_out[at] = was_sent(at) ? 0.0f : kept;
+        }
+      });
     });
   });
 }
@@ -1233,6 +1465,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumCorrected, MomentumCorrectedImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("head")
+                                  .Attr<float>("coefficient")
+                                  .Attr<int64_t>("nesterov")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumSampledTopk, MomentumSampledTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("size")
+                                  .Attr<float>("coefficient")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("candidates")
+                                  .Attr<float>("min_fraction")
+                                  .Attr<int32_t>("empty_index")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumMasked, MomentumMaskedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Attr<int64_t>("head")
