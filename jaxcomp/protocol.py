@@ -27,6 +27,7 @@ from jaxcomp._src.protocol import FORM as FORM
 from jaxcomp._src.protocol import Context as Context
 from jaxcomp._src.protocol import Output as Output
 from jaxcomp._src.protocol import Zeroed as Zeroed
+from jaxcomp._src.protocol import Joint as Joint
 from jaxcomp._src.protocol import Later as Later
 from jaxcomp._src.protocol import Message as Message
 from jaxcomp._src.protocol import Spec as Spec
@@ -77,6 +78,7 @@ __all__ = (
     "from_tree",
     "Found",
     "Fused",
+    "Joint",
     "keep_if",
     "Later",
     "Mean",

@@ -178,6 +178,82 @@ def summed(axis_name, calls, bucket_cap_mb=None, field="last"):
       finish=finish))
 
 
+def accumulated(axis_name, joint, bucket_cap_mb=None):
+  """``half``, whose ``last`` gains each step the bucket's mean: written with the residual
+  by one :class:`jaxcomp.protocol.Joint` function, or each on its own."""
+
+  def step(ctx, corrected, state):
+    sent = corrected / 2
+    mean = ctx.mean(sent)
+    if not joint:
+      return protocol.Output(mean=mean, residual=corrected - sent,
+                             state={"last": state.last + mean})
+    return protocol.Output(mean=mean, joint=protocol.Joint(
+        ("last", "residual"), lambda last, residual: (last + mean, corrected - sent)))
+
+  return protocol.compressor(protocol.Method(
+      name="accumulated", config={"axis_name": axis_name}, axes=(axis_name,), state=LastState,
+      step=step, wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+      init=lambda params, bucket: {"last": jnp.zeros(bucket.size, jnp.float32)},
+      error_feedback=True, bucket_cap_mb=bucket_cap_mb, bucket_fields=("last",)))
+
+
+@pytest.mark.parametrize("cap", [None, 3e-5], ids=["one_bucket", "two_buckets"])
+def test_a_joint_write_keeps_and_drops_its_fields_with_the_step(cap):
+  """Fields written together by one function: the same bits as each written on its own,
+  each kept over a kept step, all dropped over a skipped one (a NaN on one device).
+  ``last`` is the sum of the kept steps' means, the residual as ``half``'s."""
+  mesh = training.make_mesh(8)
+  rng = np.random.default_rng(3)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
+                          RUN_PARAMS) for _ in range(3)]
+  batches[1]["a"][2, 0, 1] = np.nan
+
+  def run(joint):
+    tx = accumulated("data", joint, cap)
+    state = training.init_state(tx, RUN_PARAMS, mesh, "data")
+    update = training.make_update(tx, mesh, "data")
+    states = []
+    for grads in batches:
+      _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+      states.append(jax.tree.map(np.asarray, state))
+    return tx, states
+
+  tx, together = run(True)
+  _, apart = run(False)
+  chex.assert_trees_all_equal(together, apart)
+  chex.assert_trees_all_equal(together[1], together[0])  # the skipped step
+  rows = harness.state_rows(tx, jax.tree.map(jnp.asarray, together[2]), RUN_PARAMS)
+  last = protocol.as_tree(tx, rows.last, RUN_PARAMS)
+  for name in RUN_PARAMS:
+    corrected = batches[2][name] + batches[0][name] / 2  # the first step's residual added
+    mean = batches[0][name].mean(0) / 2 + corrected.mean(0) / 2
+    np.testing.assert_allclose(np.asarray(last[name]),
+                               np.broadcast_to(mean, batches[0][name].shape), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rows.residual[name]), corrected / 2,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_joint_write_names_fields_sized_by_the_bucket_given_nowhere_else():
+  def method(fields, state, residual=None):
+    def step(ctx, corrected, s):
+      return protocol.Output(mean=ctx.mean(corrected), state=state, residual=residual,
+                             joint=protocol.Joint(fields, lambda *old: old))
+
+    return protocol.compressor(protocol.Method(
+        name="bad", config={}, axes=("data",), state=LastState, step=step,
+        wire=lambda bucket, sizes, steps: wire.mean(bucket.size, sizes),
+        init=lambda params, bucket: {"last": jnp.zeros(bucket.size, jnp.float32)},
+        error_feedback=True, bucket_fields=("last",)))
+
+  for fields, state, residual in ((("count",), {}, None),
+                                  (("last", "residual"), {"last": 0.0}, None),
+                                  (("last", "residual"), {}, 0.0)):
+    with pytest.raises(ValueError, match="a `Joint` field"):
+      harness.one_step_of_normal_gradients(method(fields, state, residual), RUN_PARAMS, 0)
+
+
 @pytest.mark.parametrize("cap, buckets", [(None, 1), (3e-5, 2)],
                          ids=["one_bucket", "two_buckets"])
 def test_finish_takes_every_buckets_items_at_once_and_writes_with_the_step(cap, buckets):

@@ -233,6 +233,24 @@ def overwrite(old: jax.Array, new, keep: Optional[jax.Array] = None) -> jax.Arra
       default=lambda buffer: _written_selected(buffer, new, keep))
 
 
+def overwrite_joint(olds: tuple[jax.Array, ...], write: Callable[..., tuple],
+                    keep: Optional[jax.Array] = None) -> tuple[jax.Array, ...]:
+  """``write(*olds)`` (one new ``f32[n]`` per old buffer, from a kernel that takes them
+  in place: a custom call that aliases them) where the bool scalar ``keep`` holds,
+  else ``olds``: several buffers written as a :class:`Rewrite` writes one, in one
+  conditional on CPU (one kernel reads and writes them all, no copy around it),
+  elsewhere through a ``where`` each. ``keep=None``: always written.
+  """
+  if keep is None:
+    return tuple(write(*olds))
+  return lax.platform_dependent(
+      *olds,
+      cpu=lambda *buffers: lax.cond(keep, lambda b: tuple(write(*b)), lambda b: tuple(b),
+                                    buffers),
+      default=lambda *buffers: tuple(jnp.where(keep, new, old)
+                                     for new, old in zip(write(*buffers), buffers)))
+
+
 def _value(new):
   return new() if callable(new) else new
 

@@ -283,6 +283,23 @@ class Zeroed(NamedTuple):
   indices: jax.Array
 
 
+class Joint(NamedTuple):
+  """Fields sized by the bucket that one kernel writes together, where the step is kept
+  (:func:`jaxcomp._src.fusion.overwrite_joint`): each old buffer read and written in
+  the same pass, where a field each would read again what they share.
+
+  Attributes:
+    fields: the fields' names, each a ``bucket_fields`` entry or ``"residual"``
+      (error feedback's, then not given as :attr:`Output.residual`).
+    write: ``write(*old) -> tuple``: each field's new ``f32[bucket.size]`` in the
+      order of ``fields`` from its old one, by a kernel that takes them in place (a
+      custom call that aliases them).
+  """
+
+  fields: tuple[str, ...]
+  write: Callable[..., tuple]
+
+
 class Output(NamedTuple):
   """What a method's ``step`` returns.
 
@@ -314,6 +331,8 @@ class Output(NamedTuple):
       which ``message.decode`` rebuilds ``mean``.
     finish: for a method with :attr:`Method.finish`, what this bucket hands
       it (any value: arrays, static shapes).
+    joint: fields written together (:class:`Joint`), given neither as
+      ``residual`` nor in ``state``.
   """
 
   mean: Mean
@@ -322,6 +341,7 @@ class Output(NamedTuple):
   witness: Any = None
   message: Optional[jax.Array] = None
   finish: Any = None
+  joint: Optional[Joint] = None
 
 
 class Blocks(NamedTuple):
@@ -843,7 +863,13 @@ def compressor(method: Method) -> optax.GradientTransformation:
 
     out = method.step(ctx, corrected, state)
     written = dict(out.state)
-    if method.error_feedback:
+    if out.joint is not None:
+      for f in out.joint.fields:
+        if f not in sized or f in written or (f == "residual" and out.residual is not None):
+          raise ValueError(f"method {method.name!r}: a `Joint` field {f!r} must be one of"
+                           f" {sized} and given nowhere else")
+        written[f] = out.joint
+    if method.error_feedback and "residual" not in written:
       kept = out.residual
 
       def absorbed(kept=kept):
@@ -936,11 +962,21 @@ def compressor(method: Method) -> optax.GradientTransformation:
         ok = agree(ok)
       new_state = keep_if(ok, new_state, state)
     # The fields sized by the bucket are written in place, kept or dropped
-    # in the same kernel (:func:`jaxcomp._src.fusion.overwrite`).
+    # in the same kernel (:func:`jaxcomp._src.fusion.overwrite`; a `Joint`'s
+    # fields by one).
+    values = {f: list(olds[f]) for f in sized}
+    for index in range(len(buckets)):
+      for f in sized:
+        w = pending[f][index]
+        if isinstance(w, Joint):
+          if values[f][index] is olds[f][index]:  # not yet written with the others
+            news = fusion.overwrite_joint(tuple(olds[g][index] for g in w.fields), w.write, ok)
+            for g, value in zip(w.fields, news):
+              values[g][index] = value
+        elif w is not None:
+          values[f][index] = fusion.overwrite(olds[f][index], w, ok)
     for f in sized:
-      values = tuple(old if w is None else fusion.overwrite(old, w, ok)
-                     for old, w in zip(olds[f], pending[f]))
-      new_state = new_state._replace(**{f: values if split else values[0]})
+      new_state = new_state._replace(**{f: tuple(values[f]) if split else values[f][0]})
     return results, new_state, ok
 
   def checked_buckets(updates: chex.ArrayTree, state) -> tuple[fusion.Bucket, ...]:
