@@ -163,7 +163,11 @@ def dgc(
      exact and quicker to compile (``selection.Tuning.sampled_min_size``).
      On CPU all of it but the draw of the sample's positions is one native
      custom call where it could be built (``selection.Tuning.native``), the
-     same bits as in JAX.
+     same bits as in JAX; without ``clip_norm`` that call forms the velocity
+     from the leaves, the momentum and the residual in its own pass, so that
+     nothing of ``n`` entries is written before the exchange, and one more
+     call forms it again where the step is kept and writes the momentum and
+     the residual over the old ones (9 passes over the gradient a step).
      Every device's ``(values / P, indices)`` is all-gathered and the mean
      is their scatter-add.
   4. *Momentum factor masking*: ``v`` keeps what was not sent (``v - sent``,
@@ -276,19 +280,42 @@ def dgc(
     _, velocity = accumulate(state.momentum, clipped)
     return jnp.where(_in_head(ctx.bucket, where), velocity, clipped), _Carry(gradient=clipped)
 
+  def in_pass(head: int) -> bool:
+    """The sampled selection of every form's ``k`` among the ``head`` sparse entries is
+    one native call (:func:`jaxcomp._src.selection.sampled_in_call`)."""
+    tuning = selection.tuning_for()
+    return head > 0 and sample_ratio < 1.0 and all(
+        selection.sampled_in_call(head, k, tuning)
+        for k in _form_ks(density, warmup_steps, head))
+
   def prepare_leaves(ctx, leaves, state):
     """``prepare`` (without clipping, whose norm reads the fused gradient) and the
-    residual's addition as one custom call that reads the leaves where they lie
-    (:func:`jaxcomp._src.native.momentum_corrected`, the same bits). The carry is
-    every leaf's new momentum, which the call writes in the same pass: ``step``
-    masks it where it writes it."""
+    residual's addition by custom calls that read the leaves where they lie (the
+    same bits).
+
+    Where the selection is one native call, the sparse leaves' corrected gradient
+    is never written: the selection forms it in its pass
+    (:func:`jaxcomp._src.native.momentum_sampled_topk`) and the branch that keeps
+    the step again, where it writes the momentum and the residual over the old
+    ones (:func:`jaxcomp._src.native.momentum_masked`); the carry is the leaves,
+    the corrected gradient only the dense leaves' (``f32[n - head]``). Else one
+    call writes it and every leaf's new momentum
+    (:func:`jaxcomp._src.native.momentum_corrected`), which is the carry:
+    ``step`` masks it where it writes it."""
+    sparse = _sparse(ctx.bucket, where)
+    if in_pass(sparse.size):
+      tail = [leaf.reshape(-1) for leaf in leaves[len(sparse.leaves):]]
+      dense = fusion.concat(tail) if tail else jnp.zeros((0,), jnp.float32)
+      return dense + state.residual[sparse.size:], _Carry(leaves=leaves)
     corrected, whole = native.momentum_corrected(
-        leaves, state.momentum, state.residual, _sparse(ctx.bucket, where).size, momentum,
-        nesterov)
+        leaves, state.momentum, state.residual, sparse.size, momentum, nesterov)
     return corrected, _Carry(momentum=whole)
 
   def step(ctx, corrected, state):
     sparse, dense = _sparse(ctx.bucket, where), _dense(ctx.bucket, where)
+    leaves = None if ctx.carry is None else ctx.carry.leaves
+    # The dense leaves' corrected gradient: all that ``prepare_leaves`` wrote, or the tail.
+    dense_corrected = corrected if leaves is not None else corrected[sparse.size:]
     means, witness = [], []
     # What was sent exactly, packed: the dense leaves all, from sparse.size on.
     sent = error_feedback.sent_mask(ctx.bucket.size, jnp.zeros((0,), jnp.int32), sparse.size)
@@ -296,8 +323,16 @@ def dgc(
     if sparse.size:
 
       def exchange(k):
-        # The velocity is the head of ``corrected``, selected where it lies.
-        if sample_ratio == 1.0:
+        # The velocity is the head of ``corrected``, selected where it lies, or
+        # formed from the leaves in the selection's pass.
+        if leaves is not None:
+          tuning = selection.tuning_for()
+          positions, rank, candidates = selection.call_sample(
+              sparse.size, k, k, ctx.key, sample_ratio, tuning)
+          values, indices = native.momentum_sampled_topk(
+              leaves, state.momentum, state.residual, momentum, nesterov, k, k, positions,
+              rank, size=sparse.size, candidates=candidates, min_fraction=tuning.min_fraction)
+        elif sample_ratio == 1.0:
           values, indices = selection.select_topk(corrected[:sparse.size], k)
         else:
           values, indices = selection.sampled_topk(
@@ -324,12 +359,11 @@ def dgc(
       means.append(sparse_mean)
       witness.append(check)
     if dense.size:
-      dense_momentum, out = accumulate(state.momentum[sparse.size:],
-                                       ctx.mean(corrected[sparse.size:]))
+      dense_momentum, out = accumulate(state.momentum[sparse.size:], ctx.mean(dense_corrected))
       means.append(out)
       witness.append(out)
 
-    def momentum():
+    def new_momentum():
       """The new momentum written over the old: the sparse leaves' as in
       ``prepare``, with what was sent masked, formed over the whole bucket,
       then the dense leaves' written over its tail in place. The whole
@@ -360,11 +394,19 @@ def dgc(
         return parts[0] + (dense.split(parts[1]) if len(parts) > 1 else [])
       return fusion.concat(parts)
 
+    mean = protocol.Later.join(joined, means)
+    if leaves is not None:
+      # Both formed again from the leaves in one pass that writes them over the old.
+      return protocol.Output(mean=mean, witness=witness, joint=protocol.Joint(
+          ("residual", "momentum"),
+          lambda old_residual, old_momentum: native.momentum_masked(
+              leaves, old_residual, old_momentum, sent, dense_momentum, sparse.size, momentum,
+              nesterov)))
     return protocol.Output(
-        mean=protocol.Later.join(joined, means),
+        mean=mean,
         residual=lambda: error_feedback.zero_sent(sent, corrected),
         witness=witness,
-        state={"momentum": momentum})
+        state={"momentum": new_momentum})
 
   def wire_cost(bucket, sizes, steps):
     n_s = _sparse(bucket, where).size
@@ -399,10 +441,12 @@ class _Carry(NamedTuple):
   """What DGC's preparation hands its step (:attr:`jaxcomp.protocol.Context.carry`):
   the clipped gradient ``f32[n]``, from which the step forms the new momentum where it
   writes it (read there with the old momentum, not written out before); or that new
-  momentum itself, where the native call formed it in the pass that read the leaves."""
+  momentum itself, where the native call formed it in the pass that read the leaves;
+  or the bucket's leaves, where the native calls form everything from them."""
 
   gradient: Optional[jax.Array] = None
   momentum: Optional[jax.Array] = None
+  leaves: Optional[list] = None
 
 
 def _sparse_first(tree, where) -> fusion.Bucket:
