@@ -10,6 +10,7 @@ import pytest
 import jaxcomp
 from jaxcomp._src import demo
 from jaxcomp._src import fusion
+from jaxcomp._src import protocol
 from jaxcomp._src import selection
 
 import harness
@@ -65,6 +66,8 @@ def test_the_transform_selected_block_by_block_gives_the_same_step(monkeypatch):
   fused gradient (``flat_length``). Within a float tolerance: the matrix product of
   a block may sum in another order than the whole one's (the same bits on XLA:CPU
   here); a position chosen differently would be far outside it."""
+  # The matrix product's route: not the native calls, which take no blocks.
+  monkeypatch.setattr(protocol, "_native_sum", lambda bucket, leaves_apart: False)
   tx = jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9)
   assert fusion.Bucket.of(WIDE).size == 199
   whole = harness.one_step_of_normal_gradients(tx, WIDE, 3)
@@ -74,6 +77,41 @@ def test_the_transform_selected_block_by_block_gives_the_same_step(monkeypatch):
       jaxcomp.demo(1 / 8, "data", chunk_size=8, error_decay=0.9), WIDE, 3)
   for got, want in zip(by_blocks, whole):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+_TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
+
+
+@harness.needs_native
+@pytest.mark.parametrize("chunk_size, density", [(64, 1 / 64), (8, 1 / 4), (48, 1 / 16)])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+def test_the_native_transform_meets_the_matrix_product_to_rounding(chunk_size, density,
+                                                                   bucket_cap_mb, monkeypatch):
+  """DeMo whose selection and residual are the native calls (the leaves read where they
+  lie, the transform Lee's fast DCT) against the route of the matrix product on the
+  fused gradient: two steps on 8 devices, the same positions, the means and states
+  within 1e-5 of each leaf's largest (the transforms' sums differ in order). One call of
+  each kind per bucket; none where the chunk is not a power of two (48)."""
+
+  def run():
+    runs = harness.run_two_steps(
+        lambda axis: jaxcomp.demo(density, axis, chunk_size=chunk_size, error_decay=0.9,
+                                  bucket_cap_mb=bucket_cap_mb), _TWELVE, 8, ("data",))
+    text = runs["compiled"].as_text()
+    calls = [text.count(f'custom_call_target="jaxcomp_dct_{kind}"')
+             for kind in ("topk", "residual")]
+    return calls, runs["outs"], runs["rows"]
+
+  calls, *by_call = run()
+  buckets = 1 if bucket_cap_mb is None else 2
+  assert calls == ([0, 0] if chunk_size == 48 else [buckets, buckets])
+  monkeypatch.setattr(protocol, "_native_sum", lambda bucket, leaves_apart: False)
+  product_calls, *by_product = run()
+  assert product_calls == [0, 0]
+  for got, want in zip(jax.tree.leaves(by_call), jax.tree.leaves(by_product)):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got == 0, want == 0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 @hypothesis.settings(max_examples=30, deadline=None)

@@ -20,6 +20,7 @@ import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp.collectives import EMPTY_INDEX
+from jaxcomp._src import demo
 from jaxcomp._src import error_feedback
 from jaxcomp._src import lowrank
 from jaxcomp._src import native
@@ -1188,3 +1189,141 @@ def test_dgc_s_momentum_call_gives_the_jax_route_s_bits(config, bucket_cap_mb, m
   jax_calls, *by_jax = run()
   assert jax_calls == [0, 0]
   chex.assert_trees_all_equal(by_call, by_jax)
+
+
+def _lee_by_numpy(x):
+  """The call's Lee's DCT of the columns of ``x`` (``f32[m, chunks]``), step by step."""
+  m = x.shape[0]
+  if m == 1:
+    return x
+  half = m // 2
+  f = (0.5 / np.cos(np.pi * (np.arange(half) + 0.5) / m)).astype(np.float32)[:, None]
+  low, high = x[:half], x[::-1][:half]
+  a, b = _lee_by_numpy(low + high), _lee_by_numpy((low - high) * f)
+  out = np.empty_like(x)
+  out[0::2] = a
+  out[1:-1:2] = b[:-1] + b[1:]
+  out[-1] = b[-1]
+  return out
+
+
+def _dct_topk_by_numpy(leaves, residual, chunk, k):
+  """:func:`native.dct_topk` by its stated steps: the sum, Lee's transform, the scale, and
+  each chunk's ``k`` largest magnitudes (the lower position first on a tie)."""
+  flat = np.concatenate([np.ravel(leaf) for leaf in leaves]) + residual
+  chunks = -(-flat.size // chunk)
+  rows = np.pad(flat, (0, chunks * chunk - flat.size)).reshape(chunks, chunk)
+  scales = np.float32(np.where(np.arange(chunk) == 0, 1.0, np.sqrt(2.0)) / chunk)
+  coefficients = _lee_by_numpy(rows.T).T * scales
+  order = np.argsort(-np.abs(coefficients), axis=1, kind="stable")[:, :k]
+  return np.take_along_axis(coefficients, order, 1), order.astype(np.int32)
+
+
+@st.composite
+def _chunked_leaf_sets(draw):
+  """Normal leaves and a residual (no subnormal sums: numpy does not flush them), a chunk
+  of a power of two and a ``k`` within it."""
+  sizes = draw(st.lists(st.integers(0, 300), min_size=1, max_size=6))
+  hypothesis.assume(sum(sizes) >= 1)
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  scale = draw(st.sampled_from([1.0, 1e-3, 1e4]))
+  leaves = [(scale * rng.standard_normal(size)).astype(np.float32) for size in sizes]
+  residual = (scale * rng.standard_normal(sum(sizes))).astype(np.float32)
+  chunk = 2 ** draw(st.integers(0, 8))
+  return leaves, residual, chunk, draw(st.integers(1, chunk))
+
+
+@harness.needs_native
+@hypothesis.given(_chunked_leaf_sets())
+def test_the_dct_call_follows_lee_s_stated_steps(case):
+  leaves, residual, chunk, k = case
+  by_call = jax.jit(lambda ls, e: native.dct_topk(ls, e, chunk, k))(leaves, residual)
+  np.testing.assert_array_equal(np.asarray(by_call[0]).view(np.uint32),
+                                _dct_topk_by_numpy(leaves, residual, chunk, k)[0].view(np.uint32))
+  np.testing.assert_array_equal(by_call[1], _dct_topk_by_numpy(leaves, residual, chunk, k)[1])
+
+
+@harness.needs_native
+@pytest.mark.parametrize("chunk", [8, 64, 256])
+def test_the_dct_call_meets_demo_s_transform_to_rounding_on_two_threads(chunk):
+  """2.1M entries (two threads, meeting inside a leaf): the same positions as the float64
+  product with DeMo's matrix, each coefficient within 4e-6 of its chunk's largest
+  (Lee's sums against the matrix's), and the stated steps' bits."""
+  rng = np.random.default_rng(chunk)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in (1_000_003, 1_100_000)]
+  residual = rng.standard_normal(2_100_003).astype(np.float32)
+  values, positions = jax.jit(lambda ls, e: native.dct_topk(ls, e, chunk, 3))(leaves, residual)
+  flat = np.concatenate(leaves).astype(np.float64) + residual
+  rows = np.pad(flat, (0, -flat.size % chunk)).reshape(-1, chunk)
+  exact = rows @ (np.asarray(demo.dct_matrix(chunk), np.float64) / np.sqrt(chunk)).T
+  order = np.argsort(-np.abs(exact), axis=1, kind="stable")[:, :3]
+  np.testing.assert_array_equal(positions, order)
+  largest = np.abs(exact).max(axis=1, keepdims=True)
+  error = np.abs(np.asarray(values) - np.take_along_axis(exact, order, 1)) / largest
+  assert error.max() < 4e-6, error.max()
+  want = _dct_topk_by_numpy(leaves, residual, chunk, 3)
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint32), want[0].view(np.uint32))
+
+
+@harness.needs_native
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_chunk_that_is_not_finite_sends_a_coefficient_that_is_not(bad):
+  x = np.random.default_rng(0).standard_normal(200).astype(np.float32)
+  x[70] = bad
+  x[75] = -bad  # inf - inf: NaN
+  values, _ = jax.jit(lambda ls, e: native.dct_topk(ls, e, 64, 2))([x[:90], x[90:]],
+                                                                 np.zeros(200, np.float32))
+  finite = np.isfinite(np.asarray(values))
+  assert not finite[1].any() and finite[[0, 2, 3]].all()
+
+
+def _dct_residual_by_numpy(leaves, residual, values, positions, inverse, decay):
+  flat = np.concatenate([np.ravel(leaf) for leaf in leaves]) + residual
+  chunk = inverse.shape[0]
+  sent = values[:, :1] * inverse[positions[:, 0]]
+  for j in range(1, values.shape[1]):
+    sent = sent + values[:, j:j + 1] * inverse[positions[:, j]]
+  return np.float32(decay) * (flat - sent.reshape(-1)[:flat.size])
+
+
+@harness.needs_native
+@hypothesis.given(_chunked_leaf_sets(), st.sampled_from([0.0, 0.999, 1 / 3]))
+def test_the_dct_residual_call_follows_its_stated_steps_and_writes_in_place(case, decay):
+  leaves, residual, chunk, k = case
+  values, positions = jax.jit(lambda ls, e: native.dct_topk(ls, e, chunk, k))(leaves, residual)
+  inverse = np.asarray(demo.dct_matrix(chunk) * np.sqrt(chunk))
+  call = jax.jit(lambda e, ls: native.dct_residual(ls, e, values, positions, inverse, decay),
+                 donate_argnums=0)
+  want = _dct_residual_by_numpy(leaves, residual, np.asarray(values), np.asarray(positions),
+                                inverse, decay)
+  got = call(jnp.asarray(residual), leaves)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+  if k * 8 <= chunk:  # DeMo's route sums the basis rows: its bits
+    chunks = values.shape[0]
+    flat = jnp.pad(jnp.concatenate([jnp.ravel(leaf) for leaf in leaves]) + residual,
+                   (0, chunks * chunk - residual.size))
+    by_demo = jax.jit(lambda f, v, p: decay * (f - demo.inverse_of_sparse(v, p, inverse))[
+        :residual.size])(flat, values, positions)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(by_demo).view(np.uint32))
+
+
+@harness.needs_native
+def test_the_dct_calls_refuse_what_does_not_fit_by_name():
+  ones = jnp.ones(6)
+  with pytest.raises(ValueError, match="`chunk` must be a power of two"):
+    native.dct_topk([ones], ones, 6, 1)
+  with pytest.raises(ValueError, match="`k`"):
+    native.dct_topk([ones], ones, 4, 5)
+  with pytest.raises(ValueError, match="`residual` must be f32\\[6\\]"):
+    native.dct_topk([ones], jnp.ones(5), 4, 1)
+  with pytest.raises(TypeError, match="f32"):
+    native.dct_topk([jnp.ones(6, jnp.bfloat16)], ones, 4, 1)
+  values, positions = jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
+  with pytest.raises(ValueError, match="`inverse` must be f32\\[C, C\\]"):
+    native.dct_residual([ones], ones, values, positions, jnp.ones((4, 2)), 0.9)
+  with pytest.raises(ValueError, match="`values` must be f32\\[2, k\\]"):
+    native.dct_residual([ones], ones, jnp.ones((3, 1)), positions, jnp.ones((4, 4)), 0.9)
+  with pytest.raises(ValueError, match="`positions`"):
+    native.dct_residual([ones], ones, values, jnp.zeros((2, 2), jnp.int32), jnp.ones((4, 4)),
+                        0.9)

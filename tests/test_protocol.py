@@ -347,7 +347,7 @@ def test_runs_are_checked():
     harness.one_step_of_normal_gradients(protocol.compressor(method()), RUN_PARAMS, 0)
 
 
-def test_leaves_prepared_stand_in_for_prepare_and_the_residual_s_addition():
+def test_leaves_prepared_stand_in_for_the_residual_s_addition_only_with_error_feedback():
   leaves_prepared = lambda ctx, leaves, s: (None, None)  # noqa: E731
 
   def method(**fields):
@@ -356,10 +356,9 @@ def test_leaves_prepared_stand_in_for_prepare_and_the_residual_s_addition():
         step=lambda ctx, c, s: protocol.Output(mean=c), wire=lambda b, s, t: (),
         prepare_leaves=leaves_prepared, **fields)
 
-  for fields in (dict(error_feedback=True), dict(prepare=lambda ctx, g, s: (g, None)),
-                 dict(error_feedback=True, prepare=lambda ctx, g, s: (g, None),
-                      flat_length=lambda bucket, p: bucket.size)):
-    with pytest.raises(ValueError, match="`prepare_leaves` stands in for `prepare`"):
+  for fields in (dict(), dict(prepare=lambda ctx, g, s: (g, None)),
+                 dict(error_feedback=True, runs=lambda bucket: (len(bucket.leaves),))):
+    with pytest.raises(ValueError, match="`prepare_leaves` stands in for error feedback's"):
       protocol.compressor(method(**fields))
 
 

@@ -27,7 +27,11 @@ bit for bit), and for a sparsifier's mean, written into its bucket's leaves
 (:func:`densify_leaves`: one kernel that writes each leaf once, where XLA:CPU
 writes the whole vector's zeros, scatters into it and copies each leaf out), for
 DGC's momentum correction (:func:`momentum_corrected`: the leaves read where they
-lie, no fused copy of them first), and for QSGD's norms of its blocks
+lie, no fused copy of them first), for DeMo's transform and selection of each
+chunk (:func:`dct_topk`: Lee's fast DCT of a few chunks at a time in cache, none of
+the corrected gradient written, where XLA:CPU wrote it and multiplied each chunk by
+the DCT's matrix; to rounding, as the low-rank products) and its residual
+(:func:`dct_residual`), and for QSGD's norms of its blocks
 (:func:`block_norms`, and taken by the corrected gradient's call in its own
 pass: one kernel where XLA:CPU made five and a branch per hop and bucket; its
 squares summed in a fixed order, not XLA's, so the routes agree to rounding).
@@ -47,8 +51,8 @@ source and jaxlib version, into ``$JAXCOMP_CACHE_DIR`` (by default
 ``jaxcomp`` under ``$XDG_CACHE_HOME`` or ``~/.cache``), and loaded from there by
 every later process. Where it cannot be built or loaded, or where
 ``JAXCOMP_NATIVE=0`` is set, :func:`available` is false and the selection
-stays in JAX: the same results, in more kernels (the low-rank methods' to
-rounding).
+stays in JAX: the same results, in more kernels (the low-rank methods' and
+DeMo's to rounding).
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_block_norms": "JaxcompBlockNorms",
             "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected",
             "jaxcomp_momentum_sampled_topk": "JaxcompMomentumSampledTopk",
-            "jaxcomp_momentum_masked": "JaxcompMomentumMasked"}
+            "jaxcomp_momentum_masked": "JaxcompMomentumMasked",
+            "jaxcomp_dct_topk": "JaxcompDctTopk", "jaxcomp_dct_residual": "JaxcompDctResidual"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
@@ -537,6 +542,90 @@ def momentum_masked(leaves, residual: jax.Array, momentum: jax.Array, sent: jax.
       residual, momentum, sent, dense_momentum, *leaves, head=np.int64(head),
       coefficient=np.float32(coefficient),
       nesterov=np.int64(checks.check_bool(nesterov, "nesterov"))))
+
+
+def _chunk_inputs(leaves, residual: jax.Array, chunk: int) -> tuple[list, int, int]:
+  """The f32 leaves, their entries ``n`` (``residual`` checked to be ``f32[n]``) and the
+  chunks of ``chunk`` entries that cover them."""
+  leaves, n = _f32_leaves(leaves)
+  if n < 1 or residual.shape != (n,) or residual.dtype != jnp.float32:
+    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries (at least one), got"
+                     f" {residual.dtype}{list(residual.shape)}")
+  return leaves, n, -(-n // chunk)
+
+
+def dct_topk(leaves, residual: jax.Array, chunk: int, k: int) -> tuple[jax.Array, jax.Array]:
+  """DeMo's selection (:func:`jaxcomp._src.demo.demo`) by one custom call (CPU only): the
+  corrected gradient, each chunk's scaled DCT-II and its ``k`` largest coefficients, a
+  few chunks at a time in cache, none of it written.
+
+  The transform is Lee's fast DCT (``n log2(n) / 2`` products a chunk of ``n``, where
+  the matrix product takes ``n^2``), summed in its own fixed order, the same on every
+  machine: its coefficients agree with the matrix product's to rounding (about
+  ``2e-6`` of the chunk's largest for ``n = 64``), not bit for bit.
+
+  Args:
+    leaves: f32 arrays of any shapes, ``n`` entries together (at least one), read end
+      to end where they lie.
+    residual: ``f32[n]``, added to them as :func:`corrected` adds it.
+    chunk: static, entries per chunk, a power of two; the last chunk zero-padded.
+    k: static, coefficients kept per chunk, in ``[1, chunk]``.
+
+  Returns:
+    ``(values [chunks, k], int32 positions [chunks, k])``: each chunk's coefficients
+    of :func:`jaxcomp._src.demo.dct_matrix` divided by ``sqrt(chunk)``, picked as
+    :func:`topk_per_row` picks them (largest first, NaN as ``inf``, the lower position
+    first on a tie).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  chunk = checks.check_number(chunk, "chunk", integer=True, low=1, high=65536)
+  if chunk & (chunk - 1):
+    raise ValueError(f"`chunk` must be a power of two, got {chunk}")
+  leaves, _, chunks = _chunk_inputs(leaves, residual, chunk)
+  k = checks.check_number(k, "k", integer=True, low=1, high=chunk)
+  return tuple(jax.ffi.ffi_call(
+      "jaxcomp_dct_topk", (jax.ShapeDtypeStruct((chunks, k), jnp.float32),
+                           jax.ShapeDtypeStruct((chunks, k), jnp.int32)),
+      vmap_method="sequential")(residual, *leaves, chunk=np.int64(chunk)))
+
+
+def dct_residual(leaves, residual: jax.Array, values: jax.Array, positions: jax.Array,
+                 inverse: jax.Array, decay: float) -> jax.Array:
+  """DeMo's kept residual by one custom call (CPU only) that forms the corrected gradient
+  again from the leaves and the residual and writes over the residual in place where
+  XLA can give it the buffer (donated).
+
+  Args:
+    leaves, residual: as :func:`dct_topk`.
+    values: ``f32[chunks, k]``, the coefficients sent, ``chunks`` covering ``n`` in
+      chunks of ``C``.
+    positions: ``int[chunks, k]``, theirs in the chunk (clamped to ``[0, C)``).
+    inverse: ``f32[C, C]``, the rows of the inverse transform.
+    decay: the residual's factor, as f32.
+
+  Returns:
+    ``f32[n]``: ``decay * (corrected - sent)`` per entry, ``sent`` each chunk's
+    ``values[c, 0] * inverse[positions[c, 0]]`` plus each next term's in order
+    (:func:`jaxcomp._src.demo.inverse_of_sparse` with few terms, the same bits).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  if inverse.ndim != 2 or inverse.shape[0] != inverse.shape[1] or inverse.dtype != jnp.float32:
+    raise ValueError(f"`inverse` must be f32[C, C], got {inverse.dtype}{list(inverse.shape)}")
+  leaves, n, chunks = _chunk_inputs(leaves, residual, inverse.shape[0])
+  if (values.ndim != 2 or values.shape[0] != chunks or values.dtype != jnp.float32
+      or positions.shape != values.shape):
+    raise ValueError(f"`values` must be f32[{chunks}, k] and `positions` of its shape, got"
+                     f" {values.dtype}{list(values.shape)} and {list(positions.shape)}")
+  return jax.ffi.ffi_call("jaxcomp_dct_residual", jax.ShapeDtypeStruct((n,), jnp.float32),
+                          vmap_method="sequential", input_output_aliases={0: 0})(
+      residual, values, jnp.asarray(positions, jnp.int32), inverse, *leaves,
+      decay=np.float32(decay))
 
 
 def block_norms(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

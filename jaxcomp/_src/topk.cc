@@ -74,6 +74,19 @@
 // matrix's M - P Q^T written over the residual in place. Their sums run in one fixed
 // order (not XLA's), the same on every machine: the two routes agree to rounding.
 //
+// JaxcompDctTopk: DeMo's selection (jaxcomp/_src/demo.py): the corrected gradient (the
+// leaves plus the residual, as JaxcompCorrected forms it) cut into chunks, each chunk's
+// DCT-II scaled as DeMo's, and its k coefficients of largest magnitude as
+// JaxcompTopkPerRow picks them, 16 chunks at a time in cache: nothing of n entries is
+// written. The transform is Lee's fast DCT (chunks of a power of two), n log2(n) / 2
+// products a chunk of n where XLA:CPU's matrix product takes n^2, summed in its own
+// fixed order: the routes agree to rounding.
+//
+// JaxcompDctResidual: DeMo's residual once the step is kept (demo.py's step, the same
+// bits for the coefficients given, where it sums their basis rows): the corrected
+// gradient formed again from the leaves and the residual, less the inverse DCT of what
+// was sent, times the decay, written over the residual in place.
+//
 // JaxcompDensifyLeaves: a sparsifier's mean (jaxcomp/_src/collectives.py's densify,
 // the same bits) written into the bucket's leaves, each once, where XLA:CPU writes the
 // whole vector's zeros, scatters into it and copies each leaf out of it.
@@ -1369,6 +1382,232 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
   });
 }
 
+// ------------------------------------------------------------------- DeMo
+
+// Chunks transformed at once: each row operation of the transform works on one entry
+// of this many chunks, lane by lane.
+constexpr int64_t kChunkLanes = 16;
+constexpr double kPi = 3.14159265358979323846;
+using Lanes = float[kChunkLanes];
+
+// Lee's fast DCT-II (B. G. Lee, 1984), unnormalised, of the kChunkLanes chunks that are
+// the columns of x (n rows, n a power of two): row k becomes
+// sum_j x[j] cos(pi (j + 1/2) k / n). With h = n / 2: a[i] = x[i] + x[n - 1 - i] and
+// b[i] = (x[i] - x[n - 1 - i]) f[i], f[i] = 1 / (2 cos(pi (i + 1/2) / n)) as f32
+// (factors[h - 1 + i]), each transformed at size h; then row 2i is a[i], row 2i + 1 is
+// b[i] + b[i + 1] (b[h - 1] for the last). n log2(n) / 2 products where the matrix
+// takes n^2, in one fixed order on every machine. `scratch` holds n rows.
+JAXCOMP_WIDE void LeeDct(Lanes* x, Lanes* scratch, int64_t n, const float* factors) {
+  if (n == 1) return;
+  const int64_t half = n / 2;
+  Lanes* a = scratch;
+  Lanes* b = scratch + half;
+  const float* f = factors + (half - 1);
+  for (int64_t i = 0; i < half; ++i) {
+    const float* low = x[i];
+    const float* high = x[n - 1 - i];
+    for (int64_t l = 0; l < kChunkLanes; ++l) {
+      a[i][l] = low[l] + high[l];
+      b[i][l] = (low[l] - high[l]) * f[i];
+    }
+  }
+  LeeDct(a, x, half, factors);
+  LeeDct(b, x + half, half, factors);
+  for (int64_t i = 0; i + 1 < half; ++i) {
+    for (int64_t l = 0; l < kChunkLanes; ++l) {
+      x[2 * i][l] = a[i][l];
+      x[2 * i + 1][l] = b[i][l] + b[i + 1][l];
+    }
+  }
+  for (int64_t l = 0; l < kChunkLanes; ++l) {
+    x[n - 2][l] = a[half - 1][l];
+    x[n - 1][l] = b[half - 1][l];
+  }
+}
+
+// The kChunkLanes chunks of `chunk` entries laid end to end in `rows`, each one's DCT-II
+// into a lane of x, coefficient j times scales[j].
+JAXCOMP_WIDE void ChunkDcts(const float* rows, Lanes* x, Lanes* scratch, int64_t chunk,
+                            const float* factors, const float* scales) {
+  for (int64_t j = 0; j < chunk; ++j) {
+    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = rows[l * chunk + j];
+  }
+  LeeDct(x, scratch, chunk, factors);
+  for (int64_t j = 0; j < chunk; ++j) {
+    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = x[j][l] * scales[j];
+  }
+}
+
+// Up to this many coefficients a chunk are picked lane by lane, one argmax over the
+// rows each; more by each chunk's RowTopk.
+constexpr int64_t kLaneArgmaxK = 8;
+
+// Each of the first `count` lanes' k largest coefficients of x (chunk rows), largest
+// first, the lower row first on a tie, as RowTopk picks them: k argmax passes over the
+// rows' keys, each then setting the key it found below every other (-1).
+JAXCOMP_WIDE void LaneTopk(const Lanes* x, int64_t chunk, int64_t k, int64_t count,
+                           int32_t (*keys)[kChunkLanes], float* values, int32_t* positions) {
+  for (int64_t j = 0; j < chunk; ++j) {
+    for (int64_t l = 0; l < kChunkLanes; ++l) keys[j][l] = MagnitudeKey(x[j][l]);
+  }
+  for (int64_t t = 0; t < k; ++t) {
+    int32_t best[kChunkLanes], at[kChunkLanes];
+    for (int64_t l = 0; l < kChunkLanes; ++l) {
+      best[l] = -1;
+      at[l] = 0;
+    }
+    for (int64_t j = 0; j < chunk; ++j) {
+      for (int64_t l = 0; l < kChunkLanes; ++l) {
+        const bool above = keys[j][l] > best[l];
+        best[l] = above ? keys[j][l] : best[l];
+        at[l] = above ? static_cast<int32_t>(j) : at[l];
+      }
+    }
+    for (int64_t l = 0; l < count; ++l) {
+      values[l * k + t] = x[at[l]][l];
+      positions[l * k + t] = at[l];
+      keys[at[l]][l] = -1;
+    }
+  }
+}
+
+// The leaves, the residual and the chunking of a DeMo call.
+struct ChunkInputs {
+  std::vector<const float*> leaves;
+  std::vector<int64_t> offsets;
+  const float* residual;
+  int64_t chunk;
+
+  int64_t n() const { return offsets.back(); }
+  int64_t chunks() const { return (n() + chunk - 1) / chunk; }
+
+  // Chunks [first, first + count) of the corrected gradient (zeros past n) into `out`.
+  void Corrected(int64_t first, int64_t count, float* out) const {
+    CorrectedSpan(leaves, offsets, residual, out, first * chunk, first * chunk,
+                  (first + count) * chunk);
+  }
+};
+
+// Whether `chunk` is a power of two in [1, 2^16].
+bool PowerOfTwo(int64_t chunk) { return chunk >= 1 && chunk <= 65536 && (chunk & (chunk - 1)) == 0; }
+
+ffi::Error DctTopkImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
+                       int64_t chunk, ffi::ResultBuffer<ffi::F32> values,
+                       ffi::ResultBuffer<ffi::S32> positions) {
+  ChunkInputs in{{}, {}, residual.typed_data(), chunk};
+  if (ffi::Error error = LeafData(leaves, &in.leaves, &in.offsets); error.failure()) return error;
+  const auto out_dims = values->dimensions();
+  if (!PowerOfTwo(chunk) || static_cast<int64_t>(residual.element_count()) != in.n() ||
+      in.n() < 1 || out_dims.size() != 2 || out_dims[0] != in.chunks() || out_dims[1] < 1 ||
+      out_dims[1] > chunk || positions->element_count() != values->element_count()) {
+    return ffi::Error::InvalidArgument(
+        "the chunk must be a power of two, the residual as long as the leaves (at least one"
+        " entry), and the outputs [chunks, k], k in [1, chunk]");
+  }
+  const int64_t k = out_dims[1];
+  // f[i] of each size m = 2, 4, ..., chunk from factors[m / 2 - 1], and the orthonormal
+  // DCT's factors over sqrt(chunk) (DeMo's scaled transform), rounded once from double.
+  std::vector<float> factors(chunk), scales(chunk);
+  for (int64_t m = 2; m <= chunk; m *= 2) {
+    for (int64_t i = 0; i < m / 2; ++i) {
+      factors[m / 2 - 1 + i] = static_cast<float>(0.5 / std::cos(kPi * (i + 0.5) / m));
+    }
+  }
+  for (int64_t j = 0; j < chunk; ++j) {
+    scales[j] = static_cast<float>((j == 0 ? 1.0 : std::sqrt(2.0)) / chunk);
+  }
+  float* out_values = values->typed_data();
+  int32_t* out_positions = positions->typed_data();
+  return Guarded("jaxcomp_dct_topk", [&] {
+    InHalves(in.chunks(), in.n(), [&](int64_t first, int64_t last) {
+      // Rows of kChunkLanes lanes, in flat buffers (a vector of arrays is not portable).
+      std::vector<float> rows(kChunkLanes * chunk), lanes(2 * kChunkLanes * chunk);
+      Lanes* x = reinterpret_cast<Lanes*>(lanes.data());
+      Lanes* scratch = x + chunk;
+      std::vector<int32_t> lane_keys(k <= kLaneArgmaxK ? kChunkLanes * chunk : 0), keys(k);
+      for (int64_t c = first; c < last; c += kChunkLanes) {
+        const int64_t count = std::min(kChunkLanes, last - c);
+        in.Corrected(c, count, rows.data());
+        std::fill(rows.begin() + count * chunk, rows.end(), 0.0f);
+        ChunkDcts(rows.data(), x, scratch, chunk, factors.data(), scales.data());
+        if (k <= kLaneArgmaxK) {
+          LaneTopk(x, chunk, k, count, reinterpret_cast<int32_t(*)[kChunkLanes]>(lane_keys.data()),
+                   out_values + c * k, out_positions + c * k);
+          continue;
+        }
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t i = 0; i < chunk; ++i) rows[j * chunk + i] = x[i][j];
+          RowTopk(rows.data() + j * chunk, chunk, k, out_values + (c + j) * k,
+                  out_positions + (c + j) * k, keys.data());
+        }
+      }
+    });
+  });
+}
+
+// One chunk's residual: out[i] = decay (corrected[i] - sent[i]) for i < count, sent the
+// sum of the chunk's k coefficients times their rows of `inverse` (chunk x chunk), the
+// first term plus each next one's in order, each over the whole chunk.
+JAXCOMP_WIDE void ChunkResidual(const float* corrected, const float* values,
+                                const int32_t* positions, int64_t k, const float* inverse,
+                                int64_t chunk, float decay, int64_t count, float* sent,
+                                float* out) {
+  auto row = [&](int64_t j) {
+    return inverse + std::clamp<int64_t>(positions[j], 0, chunk - 1) * chunk;
+  };
+  const float* first = row(0);
+  for (int64_t i = 0; i < chunk; ++i) sent[i] = values[0] * first[i];
+  for (int64_t j = 1; j < k; ++j) {
+    const float v = values[j];
+    const float* next = row(j);
+    for (int64_t i = 0; i < chunk; ++i) sent[i] = sent[i] + v * next[i];
+  }
+  for (int64_t i = 0; i < count; ++i) out[i] = decay * (corrected[i] - sent[i]);
+}
+
+ffi::Error DctResidualImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> values,
+                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inverse,
+                           ffi::RemainingArgs leaves, float decay,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto dims = inverse.dimensions();
+  const int64_t chunk = dims.size() == 2 ? dims[0] : 0;
+  ChunkInputs in{{}, {}, residual.typed_data(), chunk};
+  if (ffi::Error error = LeafData(leaves, &in.leaves, &in.offsets); error.failure()) return error;
+  const auto value_dims = values.dimensions();
+  const int64_t n = in.n();
+  if (chunk < 1 || dims[1] != chunk || static_cast<int64_t>(residual.element_count()) != n ||
+      static_cast<int64_t>(out->element_count()) != n || n < 1 || value_dims.size() != 2 ||
+      value_dims[0] != in.chunks() || value_dims[1] < 1 ||
+      positions.element_count() != values.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "the inverse must be [chunk, chunk], the residual and the output as long as the"
+        " leaves (at least one entry), and the coefficients and positions [chunks, k]");
+  }
+  const int64_t k = value_dims[1];
+  const float* coefficients = values.typed_data();
+  const int32_t* places = positions.typed_data();
+  const float* rows = inverse.typed_data();
+  float* result = out->typed_data();
+  // Chunks formed at a time, about kChunk entries, each read before it is written (the
+  // output may be the residual, aliased).
+  const int64_t tile = std::max<int64_t>(1, kChunk / chunk);
+  return Guarded("jaxcomp_dct_residual", [&] {
+    InHalves(in.chunks(), n, [&](int64_t first, int64_t last) {
+      std::vector<float> corrected(tile * chunk), sent(chunk);
+      for (int64_t c = first; c < last; c += tile) {
+        const int64_t count = std::min(tile, last - c);
+        in.Corrected(c, count, corrected.data());
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t start = (c + j) * chunk;
+          ChunkResidual(corrected.data() + j * chunk, coefficients + (c + j) * k,
+                        places + (c + j) * k, k, rows, chunk, decay,
+                        std::min(chunk, n - start), sent.data(), result + start);
+        }
+      }
+    });
+  });
+}
+
 // jaxcomp/_src/collectives.py's densify (the same bits), written as the leaves of a
 // bucket: the outputs, end to end, are zeros, then each entry of `values` is added at
 // its position in `indices` (one of [0, n), n the outputs' entries together; others
@@ -1548,3 +1787,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDensifyLeaves, DensifyLeavesImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDctTopk, DctTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("chunk")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDctResidual, DctResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<float>("decay")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
