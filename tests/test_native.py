@@ -20,6 +20,7 @@ import jaxcomp
 from jaxcomp import registry
 from jaxcomp import training
 from jaxcomp.collectives import EMPTY_INDEX
+from jaxcomp._src import binade
 from jaxcomp._src import demo
 from jaxcomp._src import error_feedback
 from jaxcomp._src import lowrank
@@ -1214,7 +1215,9 @@ def _dct_topk_by_numpy(leaves, residual, chunk, k):
   chunks = -(-flat.size // chunk)
   rows = np.pad(flat, (0, chunks * chunk - flat.size)).reshape(chunks, chunk)
   scales = np.float32(np.where(np.arange(chunk) == 0, 1.0, np.sqrt(2.0)) / chunk)
-  coefficients = _lee_by_numpy(rows.T).T * scales
+  # A chunk whose largest magnitude is 2 or more brought below 2, and back after.
+  down = np.minimum(np.asarray(binade.unit_factor(np.abs(rows).max(axis=1))), np.float32(1))
+  coefficients = (_lee_by_numpy((rows * down[:, None]).T).T * scales) * (1 / down)[:, None]
   order = np.argsort(-np.abs(coefficients), axis=1, kind="stable")[:, :k]
   return np.take_along_axis(coefficients, order, 1), order.astype(np.int32)
 
@@ -1263,6 +1266,24 @@ def test_the_dct_call_meets_demo_s_transform_to_rounding_on_two_threads(chunk):
   assert error.max() < 4e-6, error.max()
   want = _dct_topk_by_numpy(leaves, residual, chunk, 3)
   np.testing.assert_array_equal(np.asarray(values).view(np.uint32), want[0].view(np.uint32))
+
+
+@harness.needs_native
+def test_the_dct_call_keeps_the_coefficients_of_huge_chunks_finite():
+  """Chunks of entries up to f32's largest: Lee's unscaled sums would overflow (the first
+  coefficient's is the chunk's sum); every coefficient is finite and within rounding of
+  the float64 transform's."""
+  rng = np.random.default_rng(5)
+  x = (rng.uniform(-1, 1, 256) * np.float32(3.4e38)).astype(np.float32)
+  x[:64] = np.float32(3.4e38)
+  x[64:128] = np.float32(1e38) * np.sign(rng.standard_normal(64)).astype(np.float32)
+  values, positions = jax.jit(lambda ls, e: native.dct_topk(ls, e, 64, 4))(
+      [x[:100], x[100:]], np.zeros(256, np.float32))
+  assert np.isfinite(np.asarray(values)).all()
+  rows = x.astype(np.float64).reshape(4, 64)
+  exact = rows @ (np.asarray(demo.dct_matrix(64), np.float64) / 8).T
+  np.testing.assert_allclose(np.asarray(values), np.take_along_axis(exact, positions, 1),
+                             rtol=0, atol=4e-6 * np.abs(exact).max())
 
 
 @harness.needs_native

@@ -1426,15 +1426,32 @@ JAXCOMP_WIDE void LeeDct(Lanes* x, Lanes* scratch, int64_t n, const float* facto
 }
 
 // The kChunkLanes chunks of `chunk` entries laid end to end in `rows`, each one's DCT-II
-// into a lane of x, coefficient j times scales[j].
+// into a lane of x, coefficient j times scales[j]. Lee's sums grow past the chunk's
+// largest magnitude (the first coefficient is the sum of the chunk, before its scale),
+// so a chunk whose largest magnitude is 2 or more is brought below 2 by a power of two
+// first and the coefficients taken back by its inverse (both exact): any finite chunk
+// has finite coefficients, each at most its largest magnitude, and the bits are those
+// of the unscaled sums wherever these neither overflow nor leave the normal floats.
 JAXCOMP_WIDE void ChunkDcts(const float* rows, Lanes* x, Lanes* scratch, int64_t chunk,
                             const float* factors, const float* scales) {
+  int32_t top[kChunkLanes] = {};
   for (int64_t j = 0; j < chunk; ++j) {
-    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = rows[l * chunk + j];
+    for (int64_t l = 0; l < kChunkLanes; ++l) {
+      x[j][l] = rows[l * chunk + j];
+      top[l] = std::max(top[l], MagnitudeKey(x[j][l]));
+    }
+  }
+  float down[kChunkLanes], up[kChunkLanes];
+  for (int64_t l = 0; l < kChunkLanes; ++l) {
+    down[l] = std::min(UnitFactor(top[l]), 1.0f);
+    up[l] = 1.0f / down[l];
+  }
+  for (int64_t j = 0; j < chunk; ++j) {
+    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = x[j][l] * down[l];
   }
   LeeDct(x, scratch, chunk, factors);
   for (int64_t j = 0; j < chunk; ++j) {
-    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = x[j][l] * scales[j];
+    for (int64_t l = 0; l < kChunkLanes; ++l) x[j][l] = (x[j][l] * scales[j]) * up[l];
   }
 }
 
