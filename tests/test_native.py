@@ -1323,8 +1323,8 @@ def test_the_dct_residual_call_follows_its_stated_steps_and_writes_in_place(case
     chunks = values.shape[0]
     flat = jnp.pad(jnp.concatenate([jnp.ravel(leaf) for leaf in leaves]) + residual,
                    (0, chunks * chunk - residual.size))
-    by_demo = jax.jit(lambda f, v, p: decay * (f - demo.inverse_of_sparse(v, p, inverse))[
-        :residual.size])(flat, values, positions)
+    by_demo = jax.jit(lambda f, v, p: decay * (f - demo.inverse_of_sparse(
+        v, p, jnp.asarray(inverse)))[:residual.size])(flat, values, positions)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
                                   np.asarray(by_demo).view(np.uint32))
 
@@ -1348,3 +1348,50 @@ def test_the_dct_calls_refuse_what_does_not_fit_by_name():
   with pytest.raises(ValueError, match="`positions`"):
     native.dct_residual([ones], ones, values, jnp.zeros((2, 2), jnp.int32), jnp.ones((4, 4)),
                         0.9)
+
+
+@harness.needs_native
+@hypothesis.given(st.data(), st.sampled_from([1, 4, 64]), st.sampled_from([1, 8, 127]),
+                  st.integers(0, 2**31 - 1), st.integers(0, 3))
+def test_the_qsgd_levels_call_gives_quantize_s_bits(data, block, levels, seed, stream):
+  # Ties, zeros of both signs, infinities, NaN and subnormals; the norms given (their
+  # own call is compared apart), the draws of one key and stream on both routes.
+  m = data.draw(st.integers(1, 12))
+  x = np.asarray(data.draw(st.lists(_ADDEND, min_size=m * block, max_size=m * block)),
+                 np.float32)
+  norms = jax.jit(lambda x: qsgd._norms(x.reshape(m, block)))(x)
+  key = jax.random.key(seed)
+  # A function of its own for each route: jit keeps one trace per function.
+  levels_of = lambda: jax.jit(lambda x: qsgd.quantize(x, levels, block, key, stream, norms)[0])  # noqa: E731
+
+  with mock.patch.dict(selection._BY_BACKEND, {"cpu": selection.Tuning(native=False)}):
+    program = levels_of()
+    assert "jaxcomp_qsgd_levels" not in program.lower(x).as_text()
+    by_jax = program(x)
+  program = levels_of()
+  assert "jaxcomp_qsgd_levels" in program.lower(x).as_text()
+  np.testing.assert_array_equal(program(x), by_jax)
+
+
+@harness.needs_native
+def test_the_qsgd_levels_call_s_two_threads_meet_exactly():
+  rng = np.random.default_rng(11)
+  x = (rng.standard_normal(2_097_152) * rng.uniform(0, 3, 2_097_152)).astype(np.float32)
+  norms = jax.jit(lambda x: qsgd._norms(x.reshape(-1, 512)))(x)
+  key = jax.random.key(4)
+  levels_of = lambda: jax.jit(lambda x: qsgd.quantize(x, 8, 512, key, 1, norms)[0])  # noqa: E731
+
+  with mock.patch.dict(selection._BY_BACKEND, {"cpu": selection.Tuning(native=False)}):
+    by_jax = levels_of()(x)
+  np.testing.assert_array_equal(levels_of()(x), by_jax)
+
+
+@harness.needs_native
+def test_the_qsgd_levels_call_refuses_what_does_not_fit_by_name():
+  words = (jnp.uint32(1), jnp.uint32(2))
+  with pytest.raises(ValueError, match="`x` must be f32 of whole blocks"):
+    native.qsgd_levels(jnp.ones(6), jnp.ones(4), jnp.ones(4), 8, words)
+  with pytest.raises(ValueError, match="`x` must be f32 of whole blocks"):
+    native.qsgd_levels(jnp.ones(8), jnp.ones(4), jnp.ones(2), 8, words)
+  with pytest.raises(ValueError, match="`levels`"):
+    native.qsgd_levels(jnp.ones(8), jnp.ones(4), jnp.ones(4), 0, words)

@@ -48,12 +48,13 @@ def bits_at(key: jax.Array, counters: jax.Array, stream=0) -> jax.Array:
   of zeros no zeros. A few chosen entries are drawn without the ones before
   them.
   """
-  first, second = _words(key, stream)
+  first, second = words(key, stream)
   return _mix(_mix(jnp.asarray(counters).astype(jnp.uint32) ^ first) ^ second)
 
 
-def _words(key: jax.Array, stream) -> tuple[jax.Array, jax.Array]:
-  """``(w0, w1)`` of :func:`bits_at`: uint32 scalars of the key's data words and the stream."""
+def words(key: jax.Array, stream) -> tuple[jax.Array, jax.Array]:
+  """``(w0, w1)`` of :func:`bits_at`: uint32 scalars of the key's data words and the stream
+  (what a native kernel that draws as :func:`uniform` takes)."""
   data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
   salt = jnp.uint32(0x9E3779B9) * (jnp.asarray(stream).astype(jnp.uint32) + jnp.uint32(1))
   return _mix(data[0] ^ _mix(salt)), _mix(data[1] ^ jnp.uint32(0x85EBCA6B))
@@ -89,7 +90,7 @@ def uniform(key: jax.Array, n: int, stream=0) -> jax.Array:
   rounds, stream ``s``'s draw at ``i`` is stream ``t``'s at ``i ^ d`` for a
   fixed ``d``: one value rounds two different entries, which are unrelated.
   """
-  first, second = _words(key, stream)
+  first, second = words(key, stream)
   word = _mix(lax.iota(jnp.uint32, n) ^ first) ^ second
   return (word >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 

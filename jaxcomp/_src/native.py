@@ -31,7 +31,9 @@ lie, no fused copy of them first), for DeMo's transform and selection of each
 chunk (:func:`dct_topk`: Lee's fast DCT of a few chunks at a time in cache, none of
 the corrected gradient written, where XLA:CPU wrote it and multiplied each chunk by
 the DCT's matrix; to rounding, as the low-rank products) and its residual
-(:func:`dct_residual`), and for QSGD's norms of its blocks
+(:func:`dct_residual`), for QSGD's levels (:func:`qsgd_levels`: its draws and
+rounding on two threads, where XLA:CPU's fusion ran on one), and for QSGD's norms of
+its blocks
 (:func:`block_norms`, and taken by the corrected gradient's call in its own
 pass: one kernel where XLA:CPU made five and a branch per hop and bucket; its
 squares summed in a fixed order, not XLA's, so the routes agree to rounding).
@@ -88,10 +90,14 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected",
             "jaxcomp_momentum_sampled_topk": "JaxcompMomentumSampledTopk",
             "jaxcomp_momentum_masked": "JaxcompMomentumMasked",
-            "jaxcomp_dct_topk": "JaxcompDctTopk", "jaxcomp_dct_residual": "JaxcompDctResidual"}
+            "jaxcomp_dct_topk": "JaxcompDctTopk", "jaxcomp_dct_residual": "JaxcompDctResidual",
+            "jaxcomp_qsgd_levels": "JaxcompQsgdLevels"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-w")
+# -fno-trapping-math: no floating-point exception is looked at, so that loops that
+# compare floats or take their floor are vectorized (QSGD's levels); the same values.
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
+          "-fno-trapping-math", "-w")
 
 
 def _cache_dir() -> pathlib.Path:
@@ -626,6 +632,40 @@ def dct_residual(leaves, residual: jax.Array, values: jax.Array, positions: jax.
                           vmap_method="sequential", input_output_aliases={0: 0})(
       residual, values, jnp.asarray(positions, jnp.int32), inverse, *leaves,
       decay=np.float32(decay))
+
+
+def qsgd_levels(x: jax.Array, norms: jax.Array, inverses: jax.Array, levels: int,
+                words: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """QSGD's levels of each block of ``x`` (:func:`jaxcomp._src.qsgd.quantize`, the same
+  bits) by one custom call (CPU only) on two threads.
+
+  Args:
+    x: ``f32[m * B]``, ``m`` blocks of ``B`` entries.
+    norms, inverses: ``f32[m]``, each block's norm and the inverse QSGD multiplies by
+      (:func:`block_norms`).
+    levels: static, QSGD's ``s``, at least 1.
+    words: the draws' two uint32 words (:func:`jaxcomp._src.draws.words`).
+
+  Returns:
+    ``int8[m * B]``: each entry's level, signed, drawn as
+    :func:`jaxcomp._src.draws.uniform` draws at its position.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  levels = checks.check_number(levels, "levels", integer=True, low=1, high=127)
+  m = norms.shape[0] if norms.ndim == 1 else 0
+  if (x.ndim != 1 or x.dtype != jnp.float32 or m < 1 or x.shape[0] % m
+      or inverses.shape != norms.shape):
+    raise ValueError(f"`x` must be f32 of whole blocks, one norm and one inverse each, got"
+                     f" {x.dtype}{list(x.shape)}, {list(norms.shape)} and"
+                     f" {list(inverses.shape)}")
+  word_pair = jnp.stack([jnp.asarray(w, jnp.uint32) for w in words])
+  return jax.ffi.ffi_call("jaxcomp_qsgd_levels", jax.ShapeDtypeStruct(x.shape, jnp.int8),
+                          vmap_method="sequential")(
+      x, norms.astype(jnp.float32), inverses.astype(jnp.float32), word_pair,
+      levels=np.float32(levels))
 
 
 def block_norms(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

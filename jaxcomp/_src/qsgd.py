@@ -105,6 +105,10 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
   ||x_b||)``, rounded up to ``l_i + 1`` with probability ``s |x_i| /
   ||x_b|| - l_i``, signed like ``x_i``: ``E[sign(x_i) l_i ||x_b|| / s] = x_i``.
   The draws are :func:`jaxcomp._src.draws.uniform` of ``key`` and ``stream``.
+  On the native route (:func:`jaxcomp._src.selection.native_route`) the levels
+  are one custom call on two threads (:func:`jaxcomp._src.native.qsgd_levels`,
+  the same bits), where XLA:CPU's fusion of the draws and the rounding ran on
+  one (ResNet-50, one device: the step 129-132 ms to 105-107, in paired runs).
   ``norms``: ``x``'s, or ``(norms, inverses)`` as :func:`_norms` gives them,
   where already known (only the levels are computed).
   """
@@ -117,6 +121,10 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
     norms, inverses = norms
   else:
     inverses = _inverses(norms)
+  if selection.native_route():
+    level = native.qsgd_levels(padded.reshape(-1), norms, inverses, levels,
+                               draws.words(key, stream))
+    return level, norms
   # |x_i| / ||x_b|| first (levels * |x_i| overflows for |x_i| above f32's largest / s),
   # both brought to the norm's unit binade (exact), so that the inverse does not
   # underflow.

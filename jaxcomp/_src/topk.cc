@@ -87,6 +87,10 @@
 // gradient formed again from the leaves and the residual, less the inverse DCT of what
 // was sent, times the decay, written over the residual in place.
 //
+// JaxcompQsgdLevels: QSGD's levels of each block (jaxcomp/_src/qsgd.py's quantize, the
+// same bits): the stochastic rounding with the counter-based draws of
+// jaxcomp/_src/draws.py, on two threads, where XLA:CPU's fusion ran on one.
+//
 // JaxcompDensifyLeaves: a sparsifier's mean (jaxcomp/_src/collectives.py's densify,
 // the same bits) written into the bucket's leaves, each once, where XLA:CPU writes the
 // whole vector's zeros, scatters into it and copies each leaf out of it.
@@ -1625,6 +1629,77 @@ ffi::Error DctResidualImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32>
   });
 }
 
+// ------------------------------------------------------------------- QSGD
+
+// A divisor of 0 taken as 1, zero by its bits as XLA:CPU's compare finds it: a subnormal
+// is not zero there, though the arithmetic of both flushes it.
+inline float Divisor(float value) {
+  int32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x7FFFFFFF) == 0 ? 1.0f : value;
+}
+
+// lowbias32 (jaxcomp/_src/draws.py's _mix).
+inline uint32_t Mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// QSGD's levels (jaxcomp/_src/qsgd.py's quantize, the same bits) of blocks [first, last)
+// of x, `block` entries each, into `out`: with d the block's divisor (its norm, 1 for
+// 0), u its unit factor and v its inverse, s = levels ((|x| u) v), rounded up from
+// floor(s) where the entry's draw (draws.py's uniform of the words w0, w1 at its
+// position) is below s - floor(s), at most `levels`, signed like x.
+JAXCOMP_WIDE void QsgdLevels(const float* x, const float* norms, const float* inverses,
+                             int64_t block, int64_t first, int64_t last, float levels,
+                             uint32_t w0, uint32_t w1, int8_t* out) {
+  for (int64_t b = first; b < last; ++b) {
+    const float divisor = Divisor(norms[b]);
+    const float unit = UnitFactor(MagnitudeKey(divisor));
+    const float inverse = inverses[b];
+    const int64_t start = b * block;
+    // Branch-free, so that the loop is vectorized: the level is in [-levels, levels]
+    // or NaN (a block that is not finite), which converts to 0 as XLA converts it.
+    for (int64_t j = 0; j < block; ++j) {
+      const float value = x[start + j];
+      const float scaled = levels * ((std::fabs(value) * unit) * inverse);
+      const float floor = std::floor(scaled);
+      const uint32_t word = Mix(static_cast<uint32_t>(start + j) ^ w0) ^ w1;
+      const float draw = static_cast<float>(static_cast<int32_t>(word >> 8)) * 0x1p-24f;
+      const float up = floor + (draw < scaled - floor ? 1.0f : 0.0f);
+      const float level = levels < up ? levels : up;
+      const float sign = value > 0.0f ? 1.0f : value < 0.0f ? -1.0f : value;
+      const float signed_level = level * sign;
+      out[start + j] = static_cast<int8_t>(
+          static_cast<int32_t>(signed_level == signed_level ? signed_level : 0.0f));
+    }
+  }
+}
+
+ffi::Error QsgdLevelsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norms,
+                          ffi::Buffer<ffi::F32> inverses, ffi::Buffer<ffi::U32> words,
+                          float levels, ffi::ResultBuffer<ffi::S8> out) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const int64_t blocks = static_cast<int64_t>(norms.element_count());
+  if (blocks < 1 || n % blocks != 0 || inverses.element_count() != norms.element_count() ||
+      words.element_count() != 2 || static_cast<int64_t>(out->element_count()) != n) {
+    return ffi::Error::InvalidArgument(
+        "x must be whole blocks, one norm and one inverse each, the words two and the"
+        " output as long as x");
+  }
+  const int64_t block = n / blocks;
+  const uint32_t w0 = words.typed_data()[0], w1 = words.typed_data()[1];
+  return Guarded("jaxcomp_qsgd_levels", [&] {
+    InHalves(blocks, n, [&](int64_t first, int64_t last) {
+      QsgdLevels(x.typed_data(), norms.typed_data(), inverses.typed_data(), block, first, last,
+                 levels, w0, w1, reinterpret_cast<int8_t*>(out->typed_data()));
+    });
+  });
+}
+
 // jaxcomp/_src/collectives.py's densify (the same bits), written as the leaves of a
 // bucket: the outputs, end to end, are zeros, then each entry of `values` is added at
 // its position in `indices` (one of [0, n), n the outputs' entries together; others
@@ -1822,3 +1897,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDctResidual, DctResidualImpl,
                                   .RemainingArgs()
                                   .Attr<float>("decay")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdLevels, QsgdLevelsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<float>("levels")
+                                  .Ret<ffi::Buffer<ffi::S8>>());
