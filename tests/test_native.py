@@ -887,8 +887,13 @@ def _norm_blocks(draw):
   return x.reshape(-1), block
 
 
+def _encoded_norms(x, block):
+  """``(norms, inverses)`` of :func:`native.qsgd_encode` (its levels compared apart)."""
+  return native.qsgd_encode(x, block, 8, (jnp.uint32(1), jnp.uint32(2)))[1:]
+
+
 def _norms_reference(x, block):
-  """:func:`native.block_norms`'s stated steps in numpy: each block's squares (times its
+  """:func:`native.qsgd_encode`'s norms by their stated steps in numpy: each block's squares (times its
   unit factor, on the scaled route) summed in eight interleaved lanes joined pairwise,
   then the tail; the scaled route for every block where any plain norm is not finite."""
   blocks = x.reshape(-1, block)
@@ -919,9 +924,9 @@ def _norms_reference(x, block):
 
 @harness.needs_native
 @hypothesis.given(_norm_blocks())
-def test_the_block_norms_call_follows_its_stated_steps(case):
+def test_the_encode_call_s_norms_follow_their_stated_steps(case):
   x, block = case
-  norms, inverses = jax.jit(lambda x: native.block_norms(x, block))(x)
+  norms, inverses = jax.jit(lambda x: _encoded_norms(x, block))(x)
   want_norms, want_inverses = _norms_reference(x, block)
   np.testing.assert_array_equal(np.asarray(norms).view(np.uint32), want_norms.view(np.uint32))
   np.testing.assert_array_equal(np.asarray(inverses).view(np.uint32),
@@ -930,7 +935,7 @@ def test_the_block_norms_call_follows_its_stated_steps(case):
 
 @harness.needs_native
 @hypothesis.given(_leaf_sets(), st.booleans(), st.integers(1, 9), st.integers(0, 2))
-def test_the_corrected_call_s_block_norms_are_the_norm_call_s_of_its_sum(
+def test_the_corrected_call_s_block_norms_are_the_encode_call_s_of_its_sum(
     case, with_residual, block, extra):
   leaves, residual = case
   residual = residual if with_residual else None
@@ -940,7 +945,7 @@ def test_the_corrected_call_s_block_norms_are_the_norm_call_s_of_its_sum(
       lambda ls, r: native.corrected(ls, r, length, block=block, norms=True))(leaves, residual)
   np.testing.assert_array_equal(np.asarray(total).view(np.uint32),
                                 _fused_sum(leaves, residual, length).view(np.uint32))
-  by_call = jax.jit(lambda x: native.block_norms(x, block))(total)
+  by_call = jax.jit(lambda x: _encoded_norms(x, block))(total)
   chex.assert_trees_all_equal((norms, inverses), by_call)
 
 
@@ -952,7 +957,7 @@ def test_the_block_norms_of_two_threads_meet_exactly():
   for overflowing in (False, True):
     if overflowing:
       x[1000 * 512:1001 * 512] = np.float32(1e37)
-    got = jax.jit(lambda x: native.block_norms(x, 512))(x)
+    got = jax.jit(lambda x: _encoded_norms(x, 512))(x)
     for got_part, want_part in zip(got, _norms_reference(x, 512)):
       np.testing.assert_array_equal(np.asarray(got_part).view(np.uint32), want_part.view(np.uint32))
     total, *figures = jax.jit(lambda x: native.corrected([x], None, block=512, norms=True))(x)
@@ -960,13 +965,14 @@ def test_the_block_norms_of_two_threads_meet_exactly():
 
 
 @harness.needs_native
-def test_the_block_norms_call_refuses_what_is_not_whole_blocks_by_name():
+def test_the_block_norms_calls_refuse_what_is_not_whole_blocks_by_name():
+  words = (jnp.uint32(1), jnp.uint32(2))
   with pytest.raises(ValueError, match="`x` must be f32 of whole blocks of 4"):
-    native.block_norms(jnp.ones(6), 4)
+    native.qsgd_encode(jnp.ones(6), 4, 8, words)
   with pytest.raises(ValueError, match="`x` must be f32"):
-    native.block_norms(jnp.ones(8, jnp.bfloat16), 4)
+    native.qsgd_encode(jnp.ones(8, jnp.bfloat16), 4, 8, words)
   with pytest.raises(ValueError, match="`block`"):
-    native.block_norms(jnp.ones(8), 0)
+    native.qsgd_encode(jnp.ones(8), 0, 8, words)
   with pytest.raises(ValueError, match="`norms` needs a `block`"):
     native.corrected([jnp.ones(8)], None, norms=True)
 
@@ -1241,9 +1247,9 @@ def _chunked_leaf_sets(draw):
 def test_the_dct_call_follows_lee_s_stated_steps(case):
   leaves, residual, chunk, k = case
   by_call = jax.jit(lambda ls, e: native.dct_topk(ls, e, chunk, k))(leaves, residual)
-  np.testing.assert_array_equal(np.asarray(by_call[0]).view(np.uint32),
-                                _dct_topk_by_numpy(leaves, residual, chunk, k)[0].view(np.uint32))
-  np.testing.assert_array_equal(by_call[1], _dct_topk_by_numpy(leaves, residual, chunk, k)[1])
+  values, positions = _dct_topk_by_numpy(leaves, residual, chunk, k)
+  np.testing.assert_array_equal(np.asarray(by_call[0]).view(np.uint32), values.view(np.uint32))
+  np.testing.assert_array_equal(by_call[1], positions)
 
 
 @harness.needs_native
@@ -1361,8 +1367,10 @@ def test_the_qsgd_levels_call_gives_quantize_s_bits(data, block, levels, seed, s
                  np.float32)
   norms = jax.jit(lambda x: qsgd._norms(x.reshape(m, block)))(x)
   key = jax.random.key(seed)
-  # A function of its own for each route: jit keeps one trace per function.
-  levels_of = lambda: jax.jit(lambda x: qsgd.quantize(x, levels, block, key, stream, norms)[0])  # noqa: E731
+
+  def levels_of():
+    # A function of its own for each route: jit keeps one trace per function.
+    return jax.jit(lambda x: qsgd.quantize(x, levels, block, key, stream, norms)[0])
 
   with mock.patch.dict(selection._BY_BACKEND, {"cpu": selection.Tuning(native=False)}):
     program = levels_of()
@@ -1379,11 +1387,38 @@ def test_the_qsgd_levels_call_s_two_threads_meet_exactly():
   x = (rng.standard_normal(2_097_152) * rng.uniform(0, 3, 2_097_152)).astype(np.float32)
   norms = jax.jit(lambda x: qsgd._norms(x.reshape(-1, 512)))(x)
   key = jax.random.key(4)
-  levels_of = lambda: jax.jit(lambda x: qsgd.quantize(x, 8, 512, key, 1, norms)[0])  # noqa: E731
+
+  def levels_of():
+    return jax.jit(lambda x: qsgd.quantize(x, 8, 512, key, 1, norms)[0])
 
   with mock.patch.dict(selection._BY_BACKEND, {"cpu": selection.Tuning(native=False)}):
     by_jax = levels_of()(x)
   np.testing.assert_array_equal(levels_of()(x), by_jax)
+
+
+@harness.needs_native
+@pytest.mark.parametrize("fill", ["normal", "huge", "not_finite"])
+@pytest.mark.parametrize("n", [64, 2_097_152])  # one thread, two
+def test_the_qsgd_encode_call_s_levels_are_the_levels_call_s_of_its_norms(fill, n):
+  """Norms, inverses and levels in one pass: the levels call's bits from those norms,
+  the norms the stated steps', also where a block's squares overflow (every norm taken
+  again, scaled, and every block's levels after it) and where a block holds NaN and
+  infinities."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal(n).astype(np.float32)
+  if fill == "huge":
+    x[5] = np.float32(3e38)
+  elif fill == "not_finite":
+    x[5], x[40] = np.nan, -np.inf
+  words = (jnp.uint32(0x1234), jnp.uint32(0xABCD))
+  levels, norms, inverses = jax.jit(lambda x: native.qsgd_encode(x, 32, 8, words))(x)
+  want_norms, want_inverses = _norms_reference(x, 32)
+  np.testing.assert_array_equal(np.asarray(norms).view(np.uint32), want_norms.view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(inverses).view(np.uint32),
+                                want_inverses.view(np.uint32))
+  apart = jax.jit(lambda x, v, i: native.qsgd_levels(x, v, i, 8, words))(x, norms, inverses)
+  np.testing.assert_array_equal(levels, apart)
+  assert np.isfinite(np.asarray(norms)).all() == (fill != "not_finite")
 
 
 @harness.needs_native
@@ -1395,3 +1430,7 @@ def test_the_qsgd_levels_call_refuses_what_does_not_fit_by_name():
     native.qsgd_levels(jnp.ones(8), jnp.ones(4), jnp.ones(2), 8, words)
   with pytest.raises(ValueError, match="`levels`"):
     native.qsgd_levels(jnp.ones(8), jnp.ones(4), jnp.ones(4), 0, words)
+  with pytest.raises(ValueError, match="`x` must be f32 of whole blocks of 4"):
+    native.qsgd_encode(jnp.ones(6), 4, 8, words)
+  with pytest.raises(ValueError, match="`levels`"):
+    native.qsgd_encode(jnp.ones(8), 4, 128, words)

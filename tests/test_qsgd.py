@@ -282,7 +282,8 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, monkeypatch):
   """The native route against JAX's over two steps on 8 devices: a bucket's first-hop
   norms from the corrected gradient's call where it sums the bucket (else, a leaf of
-  its own, from a norms call), its second hop's from a norms call, and no branch of
+  its own, from the call that encodes it), its second hop's from the call that encodes
+  the chunk of the mean, and no branch of
   the norms; the means, the norms (the step's scales) and the residuals agree to
   rounding. The calls sum the squares in their own order, so a norm may move by an
   ulp or two (which moves a level only where a draw lies that close to its
@@ -297,7 +298,7 @@ def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, m
                                   bucket_cap_mb=bucket_cap_mb), _TWELVE, 8, ("data",))
     text = runs["compiled"].as_text()
     calls = (text.count('custom_call_target="jaxcomp_corrected"'),
-             text.count('custom_call_target="jaxcomp_block_norms"'))
+             text.count('custom_call_target="jaxcomp_qsgd_encode"'))
     return calls, text.count(" conditional("), runs["outs"], runs["rows"]
 
   calls, branches, *by_call = run(True)

@@ -31,10 +31,10 @@ lie, no fused copy of them first), for DeMo's transform and selection of each
 chunk (:func:`dct_topk`: Lee's fast DCT of a few chunks at a time in cache, none of
 the corrected gradient written, where XLA:CPU wrote it and multiplied each chunk by
 the DCT's matrix; to rounding, as the low-rank products) and its residual
-(:func:`dct_residual`), for QSGD's levels (:func:`qsgd_levels`: its draws and
-rounding on two threads, where XLA:CPU's fusion ran on one), and for QSGD's norms of
-its blocks
-(:func:`block_norms`, and taken by the corrected gradient's call in its own
+(:func:`dct_residual`), and for QSGD's levels and the norms of its blocks
+(:func:`qsgd_levels`, :func:`qsgd_encode`: its draws and rounding on two threads,
+where XLA:CPU's fusion ran on one; the norms also taken by the corrected gradient's
+call in its own
 pass: one kernel where XLA:CPU made five and a branch per hop and bucket; its
 squares summed in a fixed order, not XLA's, so the routes agree to rounding).
 Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
@@ -71,6 +71,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import jaxlib
 import numpy as np
 
@@ -86,12 +87,12 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_factor_columns": "JaxcompFactorColumns",
             "jaxcomp_lowrank_residual": "JaxcompLowrankResidual",
             "jaxcomp_densify_leaves": "JaxcompDensifyLeaves",
-            "jaxcomp_block_norms": "JaxcompBlockNorms",
             "jaxcomp_momentum_corrected": "JaxcompMomentumCorrected",
             "jaxcomp_momentum_sampled_topk": "JaxcompMomentumSampledTopk",
             "jaxcomp_momentum_masked": "JaxcompMomentumMasked",
             "jaxcomp_dct_topk": "JaxcompDctTopk", "jaxcomp_dct_residual": "JaxcompDctResidual",
-            "jaxcomp_qsgd_levels": "JaxcompQsgdLevels"}
+            "jaxcomp_qsgd_levels": "JaxcompQsgdLevels",
+            "jaxcomp_qsgd_encode": "JaxcompQsgdEncode"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 # -fno-trapping-math: no floating-point exception is looked at, so that loops that
@@ -383,7 +384,7 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
       (a method's runs, :attr:`jaxcomp.protocol.Method.runs`); ``None``: one.
     block: static, a divisor of ``length`` (not with ``parts``): also each
       block's largest magnitude, taken from the sum while it is in cache.
-    norms: with ``block``, each block's norm and its inverse (:func:`block_norms`)
+    norms: with ``block``, each block's norm and its inverse (:func:`qsgd_encode`'s)
       instead of its largest magnitude.
 
   Returns:
@@ -394,7 +395,7 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
     flushes subnormals, as its own addition does), then zeros. With
     ``block``, ``(sum, maxima)``: ``maxima`` ``f32[length / block]``, each
     block's :func:`jaxcomp._src.selection.max_magnitude` (NaN as ``inf``),
-    bit for bit; with ``norms``, ``(sum, norms, inverses)``, :func:`block_norms`
+    bit for bit; with ``norms``, ``(sum, norms, inverses)``, :func:`qsgd_encode`'s
     of the sum.
 
   Raises:
@@ -642,7 +643,7 @@ def qsgd_levels(x: jax.Array, norms: jax.Array, inverses: jax.Array, levels: int
   Args:
     x: ``f32[m * B]``, ``m`` blocks of ``B`` entries.
     norms, inverses: ``f32[m]``, each block's norm and the inverse QSGD multiplies by
-      (:func:`block_norms`).
+      (:func:`qsgd_encode`'s).
     levels: static, QSGD's ``s``, at least 1.
     words: the draws' two uint32 words (:func:`jaxcomp._src.draws.words`).
 
@@ -662,41 +663,54 @@ def qsgd_levels(x: jax.Array, norms: jax.Array, inverses: jax.Array, levels: int
                      f" {x.dtype}{list(x.shape)}, {list(norms.shape)} and"
                      f" {list(inverses.shape)}")
   word_pair = jnp.stack([jnp.asarray(w, jnp.uint32) for w in words])
-  return jax.ffi.ffi_call("jaxcomp_qsgd_levels", jax.ShapeDtypeStruct(x.shape, jnp.int8),
-                          vmap_method="sequential")(
+  # The call writes the levels' bytes (uint8): QSGD's payload is their bitcast back,
+  # which XLA folds with this one, where a bitcast of the call's int8 was a copy.
+  payload = jax.ffi.ffi_call("jaxcomp_qsgd_levels", jax.ShapeDtypeStruct(x.shape, jnp.uint8),
+                             vmap_method="sequential")(
       x, norms.astype(jnp.float32), inverses.astype(jnp.float32), word_pair,
       levels=np.float32(levels))
+  return lax.bitcast_convert_type(payload, jnp.int8)
 
 
-def block_norms(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-  """QSGD's norm of each block of ``x`` (:func:`jaxcomp._src.qsgd.quantize`), and its
-  inverse, by the custom call (CPU only): one kernel where XLA:CPU makes five and a branch.
+def qsgd_encode(x: jax.Array, block: int, levels: int, words: tuple[jax.Array, jax.Array]
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """QSGD's norm of each block of ``x`` (:func:`jaxcomp._src.qsgd.quantize`), its inverse
+  and the block's :func:`qsgd_levels`, by one custom call (CPU only) that takes each
+  block's levels while the block is in cache: one kernel and one read of ``x``, where
+  XLA:CPU made five kernels and a branch for the norms alone.
 
   Args:
-    x: f32, ``m * block`` entries in all, read as ``m`` blocks end to end.
+    x: f32, ``m * block`` entries, read as ``m`` blocks end to end.
     block: static, the entries of a block, ``>= 1``.
+    levels, words: as :func:`qsgd_levels`.
 
   Returns:
-    ``(norms, inverses)``, f32 ``[m]`` each. ``norms``: each block's L2 norm from
-    its squares, or, where any block's is not finite, every block's from its
-    entries brought to their largest magnitude's unit binade
-    (:func:`jaxcomp._src.binade.unit_norm`, one route for all as the JAX
-    route takes); the squares summed in eight interleaved lanes joined
-    pairwise, then the block's tail (not XLA's order: the routes agree to
-    rounding). ``inverses``: ``1 / (d u)``, ``d`` the norm (1 for 0) and ``u``
-    its :func:`jaxcomp._src.binade.unit_factor`, what QSGD multiplies by.
+    ``(int8 levels [m * block], norms [m], inverses [m])``. ``norms``: each
+    block's L2 norm from its squares, or, where any block's is not finite, every
+    block's from its entries brought to their largest magnitude's unit binade
+    (:func:`jaxcomp._src.binade.unit_norm`, one route for all as the JAX route
+    takes; the levels then taken again from them); the squares summed in eight
+    interleaved lanes joined pairwise, then the block's tail (not XLA's order:
+    the routes agree to rounding). ``inverses``: ``1 / (d u)``, ``d`` the norm
+    (1 for 0) and ``u`` its :func:`jaxcomp._src.binade.unit_factor`, what QSGD
+    multiplies by. ``levels``: :func:`qsgd_levels` of ``x`` with them.
 
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
   _check_available()
   block = checks.check_number(block, "block", integer=True, low=1)
+  levels = checks.check_number(levels, "levels", integer=True, low=1, high=127)
   if x.dtype != jnp.float32 or x.size % block:
     raise ValueError(f"`x` must be f32 of whole blocks of {block}, got"
                      f" {x.dtype}{list(x.shape)}")
   rows = jax.ShapeDtypeStruct((x.size // block,), jnp.float32)
-  return tuple(jax.ffi.ffi_call("jaxcomp_block_norms", (rows, rows), vmap_method="sequential")(
-      x.reshape(-1), block=np.int64(block)))
+  word_pair = jnp.stack([jnp.asarray(w, jnp.uint32) for w in words])
+  payload, norms, inverses = jax.ffi.ffi_call(
+      "jaxcomp_qsgd_encode", (jax.ShapeDtypeStruct((x.size,), jnp.uint8), rows, rows),
+      vmap_method="sequential")(x.reshape(-1), word_pair, block=np.int64(block),
+                                levels=np.float32(levels))
+  return lax.bitcast_convert_type(payload, jnp.int8), norms, inverses
 
 
 def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, int]],

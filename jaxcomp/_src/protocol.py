@@ -109,7 +109,7 @@ class Context:
       ``[length / block]`` each: ``(maxima,)``, the largest ``|entry|``
       (NaN counted as ``inf``, :func:`jaxcomp._src.selection.max_magnitude`'s
       bits), or with :attr:`Blocks.norms` ``(norms, inverses)``
-      (:func:`jaxcomp._src.native.block_norms`); else ``None`` (the method
+      (:func:`jaxcomp._src.native.qsgd_encode`'s); else ``None`` (the method
       takes them itself).
   """
 
@@ -352,7 +352,7 @@ class Blocks(NamedTuple):
     length: ``length(bucket, P) -> int``, a block length that divides the fused
       gradient's.
     norms: ``False``: each block's largest magnitude; ``True``: its norm and
-      that norm's inverse (:func:`jaxcomp._src.native.block_norms`, QSGD's).
+      that norm's inverse (:func:`jaxcomp._src.native.qsgd_encode`'s, QSGD's).
   """
 
   length: Callable[[fusion.Bucket, int], int]

@@ -42,11 +42,11 @@ def _norms(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   row's squares overflow, every row is brought to its largest entry's unit binade first
   (:func:`jaxcomp._src.binade.unit_norm`, exact).
 
-  On the native route (:func:`jaxcomp._src.selection.native_route`) both
-  come from one custom call (:func:`jaxcomp._src.native.block_norms`, its
-  squares summed in an order of its own: the routes agree to rounding); in
-  JAX they are five small kernels and a branch per hop and per gradient
-  bucket, no more for the one test of the norms below.
+  This is the JAX route: five small kernels and a branch per hop and per
+  gradient bucket, no more for the one test of the norms below. On the native
+  route (:func:`_native_norms`) the custom call that takes the levels takes the
+  norms too (:func:`jaxcomp._src.native.qsgd_encode`, its squares summed in an
+  order of its own: the routes agree to rounding).
 
   The test is that the norms' sum is finite: it is exactly when each norm is,
   since a finite norm is below ``sqrt(3.4e38) = 1.8e19`` and fewer than
@@ -62,8 +62,6 @@ def _norms(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   the largest entry instead would not do: XLA may take it as a product with
   the reciprocal, flushed to zero above ``2**126``, and the norm came out 0.
   """
-  if _native_norms():
-    return native.block_norms(blocks, blocks.shape[1])
   plain = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
 
   def scaled():
@@ -77,7 +75,7 @@ def _norms(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _native_norms() -> bool:
   """Whether the norms come from the custom calls (the corrected gradient's, or
-  :func:`jaxcomp._src.native.block_norms`): where they are built and asked for
+  :func:`jaxcomp._src.native.qsgd_encode`): where they are built and asked for
   (:func:`jaxcomp._src.selection.native_route`)."""
   return selection.native_route()
 
@@ -108,13 +106,18 @@ def quantize(x: jax.Array, levels: int, bucket_size: int, key: jax.Array, stream
   On the native route (:func:`jaxcomp._src.selection.native_route`) the levels
   are one custom call on two threads (:func:`jaxcomp._src.native.qsgd_levels`,
   the same bits), where XLA:CPU's fusion of the draws and the rounding ran on
-  one (ResNet-50, one device: the step 129-132 ms to 105-107, in paired runs).
+  one (ResNet-50, one device: the step 129-132 ms to 105-107, in paired runs);
+  without ``norms``, the same call takes them too, each block's levels while it
+  is in cache (:func:`jaxcomp._src.native.qsgd_encode`).
   ``norms``: ``x``'s, or ``(norms, inverses)`` as :func:`_norms` gives them,
   where already known (only the levels are computed).
   """
   n = x.shape[0]
   blocks = -(-n // bucket_size)
   padded = jnp.pad(x, (0, blocks * bucket_size - n)).reshape(blocks, bucket_size)
+  if norms is None and _native_norms():
+    level, norms, _ = native.qsgd_encode(padded, bucket_size, levels, draws.words(key, stream))
+    return level, norms
   if norms is None:
     norms, inverses = _norms(padded)
   elif isinstance(norms, tuple):

@@ -36,7 +36,7 @@
 // plus the residual element by element where one is given, then zeros to the
 // output's length; the output is one array, or several that lie end to end (a
 // method's runs); with `block`, also each block's largest magnitude (NaN as inf),
-// or with `norms` each block's norm and its inverse as JaxcompBlockNorms gives them,
+// or with `norms` each block's norm and its inverse as JaxcompQsgdEncode gives them,
 // taken from the sum while it is in cache. One pass that reads each leaf where it
 // lies, on two threads, where XLA:CPU copies a concatenation of more than 8 arrays
 // into a buffer of its own and reads it back for the addition (and fuses fewer into
@@ -60,12 +60,6 @@
 // one, each 0 where the packed mask says the entry was sent (the dense leaves' momentum
 // is given, their residual the corrected gradient masked the same way).
 //
-// JaxcompBlockNorms: QSGD's norm of each block (jaxcomp/_src/qsgd.py's _norms: each
-// block's from its squares, or, where any of those overflows, every block's from its
-// entries brought to a unit binade) and the inverse QSGD multiplies by, 1 / (d u),
-// in one pass where XLA:CPU made five small kernels and a branch. The squares are
-// summed in the low-rank products' fixed order, not XLA's: the routes agree to rounding.
-//
 // JaxcompLowrankProduct, JaxcompFactorColumns, JaxcompLowrankResidual: the low-rank
 // methods' work on a gradient bucket (jaxcomp/_src/lowrank.py), one call each where
 // XLA:CPU makes a few kernels per group of equal-shaped matrices: every matrix times
@@ -87,9 +81,15 @@
 // gradient formed again from the leaves and the residual, less the inverse DCT of what
 // was sent, times the decay, written over the residual in place.
 //
-// JaxcompQsgdLevels: QSGD's levels of each block (jaxcomp/_src/qsgd.py's quantize, the
-// same bits): the stochastic rounding with the counter-based draws of
-// jaxcomp/_src/draws.py, on two threads, where XLA:CPU's fusion ran on one.
+// JaxcompQsgdLevels, JaxcompQsgdEncode: QSGD's levels of each block (jaxcomp/_src/qsgd.py's
+// quantize, the same bits) as the bytes of their int8 values, the payload QSGD sends:
+// the stochastic rounding with the counter-based draws of jaxcomp/_src/draws.py, on two
+// threads, where XLA:CPU's fusion ran on one. The second also takes each block's norm
+// (qsgd.py's _norms: each block's from its squares, or, where any of those overflows,
+// every block's from its entries brought to a unit binade) and the inverse QSGD
+// multiplies by, 1 / (d u), in the same pass, where XLA:CPU made five small kernels and
+// a branch; the squares are summed in the low-rank products' fixed order, not XLA's:
+// the routes agree to rounding.
 //
 // JaxcompDensifyLeaves: a sparsifier's mean (jaxcomp/_src/collectives.py's densify,
 // the same bits) written into the bucket's leaves, each once, where XLA:CPU writes the
@@ -686,10 +686,16 @@ void ScaledNorms(const float* x, int64_t block, int64_t first, int64_t last, flo
   }
 }
 
+// A norm's inverse as QSGD divides by it, 1 / (d u), d the norm (1 for 0) and u
+// unit_factor(d).
+inline float NormInverse(float norm) {
+  const float divisor = norm == 0.0f ? 1.0f : norm;
+  return 1.0f / (divisor * UnitFactor(MagnitudeKey(divisor)));
+}
+
 // Given the plain norms of the m blocks at x: where any is not finite, every block's
 // scaled norm instead (jaxcomp/_src/qsgd.py's _norms takes one route for all); then
-// each norm's inverse as QSGD divides by it, 1 / (d u), d the norm (1 for 0) and u
-// unit_factor(d).
+// each norm's inverse (NormInverse).
 void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* inverses) {
   bool finite = true;
   for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
@@ -698,10 +704,7 @@ void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* 
       ScaledNorms(x, block, first, last, norms);
     });
   }
-  for (int64_t b = 0; b < m; ++b) {
-    const float divisor = norms[b] == 0.0f ? 1.0f : norms[b];
-    inverses[b] = 1.0f / (divisor * UnitFactor(MagnitudeKey(divisor)));
-  }
+  for (int64_t b = 0; b < m; ++b) inverses[b] = NormInverse(norms[b]);
 }
 
 // Block b's largest magnitude key (NaN as inf) of out[b * block, (b + 1) * block),
@@ -791,22 +794,6 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     } else {
       InHalves(length, length, fill);
     }
-  });
-}
-
-ffi::Error BlockNormsImpl(ffi::Buffer<ffi::F32> x, int64_t block,
-                          ffi::ResultBuffer<ffi::F32> norms, ffi::ResultBuffer<ffi::F32> inverses) {
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  if (block < 1 || n % block != 0 || static_cast<int64_t>(norms->element_count()) != n / block ||
-      static_cast<int64_t>(inverses->element_count()) != n / block) {
-    return ffi::Error::InvalidArgument("whole blocks of `block` >= 1 entries, one norm and"
-                                       " one inverse per block");
-  }
-  return Guarded("jaxcomp_block_norms", [&] {
-    InHalves(n / block, n, [&](int64_t first, int64_t last) {
-      PlainNorms(x.typed_data(), block, first, last, norms->typed_data());
-    });
-    FinishNorms(x.typed_data(), block, n / block, norms->typed_data(), inverses->typed_data());
   });
 }
 
@@ -1510,7 +1497,9 @@ struct ChunkInputs {
 };
 
 // Whether `chunk` is a power of two in [1, 2^16].
-bool PowerOfTwo(int64_t chunk) { return chunk >= 1 && chunk <= 65536 && (chunk & (chunk - 1)) == 0; }
+bool PowerOfTwo(int64_t chunk) {
+  return chunk >= 1 && chunk <= 65536 && (chunk & (chunk - 1)) == 0;
+}
 
 ffi::Error DctTopkImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
                        int64_t chunk, ffi::ResultBuffer<ffi::F32> values,
@@ -1552,7 +1541,8 @@ ffi::Error DctTopkImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves
         std::fill(rows.begin() + count * chunk, rows.end(), 0.0f);
         ChunkDcts(rows.data(), x, scratch, chunk, factors.data(), scales.data());
         if (k <= kLaneArgmaxK) {
-          LaneTopk(x, chunk, k, count, reinterpret_cast<int32_t(*)[kChunkLanes]>(lane_keys.data()),
+          LaneTopk(x, chunk, k, count,
+                   reinterpret_cast<int32_t(*)[kChunkLanes]>(lane_keys.data()),
                    out_values + c * k, out_positions + c * k);
           continue;
         }
@@ -1655,7 +1645,7 @@ inline uint32_t Mix(uint32_t x) {
 // position) is below s - floor(s), at most `levels`, signed like x.
 JAXCOMP_WIDE void QsgdLevels(const float* x, const float* norms, const float* inverses,
                              int64_t block, int64_t first, int64_t last, float levels,
-                             uint32_t w0, uint32_t w1, int8_t* out) {
+                             uint32_t w0, uint32_t w1, uint8_t* out) {
   for (int64_t b = first; b < last; ++b) {
     const float divisor = Divisor(norms[b]);
     const float unit = UnitFactor(MagnitudeKey(divisor));
@@ -1673,15 +1663,39 @@ JAXCOMP_WIDE void QsgdLevels(const float* x, const float* norms, const float* in
       const float level = levels < up ? levels : up;
       const float sign = value > 0.0f ? 1.0f : value < 0.0f ? -1.0f : value;
       const float signed_level = level * sign;
-      out[start + j] = static_cast<int8_t>(
-          static_cast<int32_t>(signed_level == signed_level ? signed_level : 0.0f));
+      out[start + j] = static_cast<uint8_t>(static_cast<int8_t>(
+          static_cast<int32_t>(signed_level == signed_level ? signed_level : 0.0f)));
     }
   }
 }
 
+// QSGD's encoding of x (m blocks): each block's plain norm (PlainNorms), its inverse
+// (NormInverse) and its levels (QsgdLevels), in one pass that takes the levels of a
+// block while it is in cache; where any block's squares overflow, every block's norm
+// is taken again as FinishNorms takes it, and every block's levels after it.
+void QsgdEncode(const float* x, int64_t block, int64_t m, float levels, uint32_t w0,
+                uint32_t w1, float* norms, float* inverses, uint8_t* out) {
+  InHalves(m, m * block, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      PlainNorms(x, block, b, b + 1, norms);
+      inverses[b] = NormInverse(norms[b]);
+      if (std::isfinite(norms[b])) {
+        QsgdLevels(x, norms, inverses, block, b, b + 1, levels, w0, w1, out);
+      }
+    }
+  });
+  bool finite = true;
+  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
+  if (finite) return;
+  FinishNorms(x, block, m, norms, inverses);
+  InHalves(m, m * block, [&](int64_t first, int64_t last) {
+    QsgdLevels(x, norms, inverses, block, first, last, levels, w0, w1, out);
+  });
+}
+
 ffi::Error QsgdLevelsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norms,
                           ffi::Buffer<ffi::F32> inverses, ffi::Buffer<ffi::U32> words,
-                          float levels, ffi::ResultBuffer<ffi::S8> out) {
+                          float levels, ffi::ResultBuffer<ffi::U8> out) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t blocks = static_cast<int64_t>(norms.element_count());
   if (blocks < 1 || n % blocks != 0 || inverses.element_count() != norms.element_count() ||
@@ -1695,8 +1709,26 @@ ffi::Error QsgdLevelsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norms,
   return Guarded("jaxcomp_qsgd_levels", [&] {
     InHalves(blocks, n, [&](int64_t first, int64_t last) {
       QsgdLevels(x.typed_data(), norms.typed_data(), inverses.typed_data(), block, first, last,
-                 levels, w0, w1, reinterpret_cast<int8_t*>(out->typed_data()));
+                 levels, w0, w1, out->typed_data());
     });
+  });
+}
+
+ffi::Error QsgdEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> words, int64_t block,
+                          float levels, ffi::ResultBuffer<ffi::U8> out,
+                          ffi::ResultBuffer<ffi::F32> norms, ffi::ResultBuffer<ffi::F32> inverses) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (block < 1 || n % block != 0 || static_cast<int64_t>(norms->element_count()) != n / block ||
+      inverses->element_count() != norms->element_count() || words.element_count() != 2 ||
+      static_cast<int64_t>(out->element_count()) != n) {
+    return ffi::Error::InvalidArgument(
+        "x must be whole blocks of `block` >= 1 entries, one norm and one inverse each, the"
+        " words two and the output as long as x");
+  }
+  const uint32_t w0 = words.typed_data()[0], w1 = words.typed_data()[1];
+  return Guarded("jaxcomp_qsgd_encode", [&] {
+    QsgdEncode(x.typed_data(), block, n / block, levels, w0, w1, norms->typed_data(),
+               inverses->typed_data(), out->typed_data());
   });
 }
 
@@ -1834,13 +1866,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumMasked, MomentumMaskedImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompBlockNorms, BlockNormsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("block")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankProduct, LowrankProductImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -1905,4 +1930,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdLevels, QsgdLevelsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Attr<float>("levels")
-                                  .Ret<ffi::Buffer<ffi::S8>>());
+                                  .Ret<ffi::Buffer<ffi::U8>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncode, QsgdEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<float>("levels")
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
