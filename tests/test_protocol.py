@@ -179,6 +179,28 @@ def summed(axis_name, calls, bucket_cap_mb=None, field="last"):
       finish=finish))
 
 
+def _batches_with_a_nan(seed):
+  """Three steps' normal gradients of ``RUN_PARAMS`` on 8 devices, the second holding a
+  NaN on device 2 (a step every device skips)."""
+  rng = np.random.default_rng(seed)
+  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
+                          RUN_PARAMS) for _ in range(3)]
+  batches[1]["a"][2, 0, 1] = np.nan
+  return batches
+
+
+def _states_after_each(tx, batches):
+  """``tx``'s state after each step of ``batches`` on 8 devices (each step synced)."""
+  mesh = training.make_mesh(8)
+  state = training.init_state(tx, RUN_PARAMS, mesh, "data")
+  update = training.make_update(tx, mesh, "data")
+  states = []
+  for grads in batches:
+    _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
+    states.append(jax.tree.map(np.asarray, state))
+  return states
+
+
 def accumulated(axis_name, joint, bucket_cap_mb=None):
   """``half``, whose ``last`` gains each step the bucket's mean: written with the residual
   by one :class:`jaxcomp.protocol.Joint` function, or each on its own."""
@@ -204,24 +226,10 @@ def test_a_joint_write_keeps_and_drops_its_fields_with_the_step(cap):
   """Fields written together by one function: the same bits as each written on its own,
   each kept over a kept step, all dropped over a skipped one (a NaN on one device).
   ``last`` is the sum of the kept steps' means, the residual as ``half``'s."""
-  mesh = training.make_mesh(8)
-  rng = np.random.default_rng(3)
-  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
-                          RUN_PARAMS) for _ in range(3)]
-  batches[1]["a"][2, 0, 1] = np.nan
-
-  def run(joint):
-    tx = accumulated("data", joint, cap)
-    state = training.init_state(tx, RUN_PARAMS, mesh, "data")
-    update = training.make_update(tx, mesh, "data")
-    states = []
-    for grads in batches:
-      _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
-      states.append(jax.tree.map(np.asarray, state))
-    return tx, states
-
-  tx, together = run(True)
-  _, apart = run(False)
+  batches = _batches_with_a_nan(3)
+  tx = accumulated("data", True, cap)
+  together = _states_after_each(tx, batches)
+  apart = _states_after_each(accumulated("data", False, cap), batches)
   chex.assert_trees_all_equal(together, apart)
   chex.assert_trees_all_equal(together[1], together[0])  # the skipped step
   rows = harness.state_rows(tx, jax.tree.map(jnp.asarray, together[2]), RUN_PARAMS)
@@ -260,21 +268,12 @@ def test_a_joint_write_names_fields_sized_by_the_bucket_given_nowhere_else():
 def test_finish_takes_every_buckets_items_at_once_and_writes_with_the_step(cap, buckets):
   """``finish`` gets each bucket's item in one call; what it returns is each bucket's
   field, kept over a kept step and dropped over a skipped one (a NaN on one device)."""
-  mesh = training.make_mesh(8)
-  rng = np.random.default_rng(7)
-  batches = [jax.tree.map(lambda x: rng.normal(size=(8,) + x.shape).astype(np.float32),
-                          RUN_PARAMS) for _ in range(3)]
-  batches[1]["a"][2, 0, 1] = np.nan
+  batches = _batches_with_a_nan(7)
   calls = []
   tx = summed("data", calls, cap)
-  state = training.init_state(tx, RUN_PARAMS, mesh, "data")
-  update = training.make_update(tx, mesh, "data")
-  lasts = []
-  for grads in batches:
-    _, state = jax.block_until_ready(update(training.shard(grads, mesh, "data"), state))
-    lasts.append(jax.tree.map(np.asarray, protocol.as_tree(
-        tx, training.device_rows(state, jax.eval_shape(tx.init, RUN_PARAMS)).last,
-        RUN_PARAMS)))
+  lasts = [jax.tree.map(np.asarray, protocol.as_tree(
+      tx, training.device_rows(state, jax.eval_shape(tx.init, RUN_PARAMS)).last, RUN_PARAMS))
+           for state in _states_after_each(tx, batches)]
   assert calls == [buckets]  # one trace, one call with every bucket's item
   # Error feedback: the second step skipped, the third's corrected gradient is its own
   # plus the residual of the first (half of it).
