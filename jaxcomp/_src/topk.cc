@@ -686,10 +686,19 @@ void ScaledNorms(const float* x, int64_t block, int64_t first, int64_t last, flo
   }
 }
 
-// A norm's inverse as QSGD divides by it, 1 / (d u), d the norm (1 for 0) and u
-// unit_factor(d).
+// A divisor of 0 taken as 1, zero by its bits as XLA:CPU's compare finds it: a subnormal
+// is not zero there, though the arithmetic of both flushes it.
+inline float Divisor(float value) {
+  int32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x7FFFFFFF) == 0 ? 1.0f : value;
+}
+
+// A norm's inverse as QSGD divides by it, 1 / (d u), d the norm (Divisor) and u
+// unit_factor(d). A norm is never subnormal (XLA:CPU's and these calls' sums flush
+// it), so that d is the JAX route's, whichever compare finds its zero.
 inline float NormInverse(float norm) {
-  const float divisor = norm == 0.0f ? 1.0f : norm;
+  const float divisor = Divisor(norm);
   return 1.0f / (divisor * UnitFactor(MagnitudeKey(divisor)));
 }
 
@@ -1620,14 +1629,6 @@ ffi::Error DctResidualImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32>
 }
 
 // ------------------------------------------------------------------- QSGD
-
-// A divisor of 0 taken as 1, zero by its bits as XLA:CPU's compare finds it: a subnormal
-// is not zero there, though the arithmetic of both flushes it.
-inline float Divisor(float value) {
-  int32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return (bits & 0x7FFFFFFF) == 0 ? 1.0f : value;
-}
 
 // lowbias32 (jaxcomp/_src/draws.py's _mix).
 inline uint32_t Mix(uint32_t x) {
