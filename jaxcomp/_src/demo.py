@@ -175,12 +175,11 @@ def demo(
     """Where the native custom calls sum the bucket and the chunk is a power of two,
     nothing is formed before the step: its calls read the leaves (the carry) and the
     residual where they lie (:func:`jaxcomp._src.native.dct_topk`,
-    :func:`jaxcomp._src.native.dct_residual`). Else the corrected gradient, padded to
-    whole chunks, as error feedback forms it."""
-    chunk, chunks, _ = selection.chunks(ctx.bucket.size, chunk_size, density)
-    if chunk & (chunk - 1) == 0:
-      return None, leaves
-    return native.corrected(leaves, state.residual, chunks * chunk), None
+    :func:`jaxcomp._src.native.dct_residual`). Else ``None``: error feedback forms the
+    corrected gradient, padded to whole chunks, as for any method."""
+    del state
+    chunk, _, _ = selection.chunks(ctx.bucket.size, chunk_size, density)
+    return (None, leaves) if chunk & (chunk - 1) == 0 else None
 
   def step(ctx, corrected, state):
     n = ctx.bucket.size

@@ -497,8 +497,9 @@ class Method:
       sum the bucket (:func:`_native_sum`; no fused copy of the leaves first);
       ``corrected`` is what ``step`` receives in place of the corrected
       gradient: that gradient, or as much of it as the step reads (``None``
-      where the step forms what it needs from the leaves in the carry);
-      ``None``: ``prepare`` and the addition always.
+      where the step forms what it needs from the leaves in the carry). It
+      may return ``None`` for a bucket it leaves alone, which is then
+      prepared as without it. ``None``: ``prepare`` and the addition always.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
       keeps itself.
@@ -841,8 +842,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
       corrected = _corrected_runs(bucket, method.runs(bucket), updates,
                                   state.residual if method.error_feedback else None,
                                   leaves_apart)
-    elif method.prepare_leaves is not None and _native_sum(bucket, leaves_apart):
-      corrected, carry = method.prepare_leaves(ctx, _bucket_leaves(bucket, updates), state)
+    elif method.prepare_leaves is not None and _native_sum(bucket, leaves_apart) and (
+        prepared := method.prepare_leaves(ctx, _bucket_leaves(bucket, updates), state)):
+      corrected, carry = prepared
       ctx = dataclasses.replace(ctx, carry=carry)
     elif method.prepare is not None:
       corrected, carry = method.prepare(ctx, _fused(bucket, updates, length, leaves_apart),
