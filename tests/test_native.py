@@ -743,6 +743,44 @@ def test_the_lowrank_residual_call_writes_m_minus_p_q_t_over_the_buffer_s_start(
 
 
 @harness.needs_native
+@hypothesis.given(_lowrank_cases(), st.booleans(), st.integers(0, 7), st.data())
+def test_the_lowrank_calls_from_the_leaves_give_the_bits_of_the_corrected_runs(
+    case, transposed, tail, data):
+  # Each matrix a leaf of its own plus its span of the residual, formed a row at a
+  # time in the calls: the bits of the calls on the runs error feedback writes.
+  groups, rank, runs, matrices, entries = case
+  residual = entries(sum(m.size for m in matrices) + tail)
+  residual[data.draw(st.integers(0, residual.size - 1))] = data.draw(
+      st.sampled_from([0.0, -0.0, 1e-40, np.inf, np.nan]))
+  leaves = [m * np.float32(-1.0) if i % 2 else m for i, m in enumerate(matrices)]
+  flat = np.concatenate([leaf.reshape(-1) for leaf in leaves])
+  corrected = flat + residual[:flat.size]
+  corrected_runs = np.split(corrected, np.cumsum([g * m * n for g, m, n in groups])[:-1])
+  inner = sum(m.shape[0] if transposed else m.shape[1] for m in matrices) * rank
+  factor, dense = entries(inner), entries(3)
+  scales = [2.0 ** (i % 3 - 1) for i in range(len(matrices))]
+
+  def product(runs, residual):
+    return jax.jit(lambda runs, factor, dense: native.lowrank_product(
+        runs, factor, scales, dense, groups, rank, transposed=transposed, residual=residual))(
+            runs, factor, dense)
+
+  np.testing.assert_array_equal(
+      _bits_any_nan(product(leaves, jnp.asarray(residual))),
+      _bits_any_nan(product(corrected_runs, None)))
+  p = entries(sum(m.shape[0] for m in matrices) * rank)
+  q = entries(sum(m.shape[1] for m in matrices) * rank)
+
+  def residual_of(runs, from_leaves):
+    return jax.jit(lambda b, runs: native.lowrank_residual(
+        b, runs, p, q, groups, rank, from_leaves=from_leaves), donate_argnums=0)(
+            jnp.asarray(residual), runs)
+
+  np.testing.assert_array_equal(_bits_any_nan(residual_of(leaves, True)),
+                                _bits_any_nan(residual_of(corrected_runs, False)))
+
+
+@harness.needs_native
 def test_the_lowrank_calls_two_threads_meet_exactly():
   # 1.2M entries: each call splits its rows (columns) between two threads at the
   # half of its work; the sums are the one-thread order's.
@@ -773,6 +811,24 @@ def test_the_lowrank_calls_two_threads_meet_exactly():
     np.testing.assert_array_equal(got[at:at + m.size].view(np.uint32),
                                   (m - total).reshape(-1).view(np.uint32))
     at, p_at, q_at = at + m.size, p_at + rows * rank, q_at + cols * rank
+  # From the leaves and a residual of ones: the bits of the calls on their sums.
+  leaves = [jnp.asarray(m) for m in matrices]
+  ones = jnp.ones(sum(m.size for m in matrices), jnp.float32)
+  runs = [run + np.float32(1.0) for run in runs]
+  for transposed in (False, True):
+    inner = sum(m.shape[0] if transposed else m.shape[1] for m in matrices) * rank
+    factor = rng.standard_normal(inner).astype(np.float32)
+    got = native.lowrank_product(leaves, jnp.asarray(factor), [1.0] * 3, jnp.zeros(0), groups,
+                                 rank, transposed=transposed, residual=ones)
+    want = native.lowrank_product([jnp.asarray(run) for run in runs], jnp.asarray(factor),
+                                  [1.0] * 3, jnp.zeros(0), groups, rank, transposed=transposed)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+  got = native.lowrank_residual(ones, leaves, jnp.asarray(p), jnp.asarray(q), groups, rank,
+                                from_leaves=True)
+  want = native.lowrank_residual(jnp.zeros(ones.size), [jnp.asarray(run) for run in runs],
+                                 jnp.asarray(p), jnp.asarray(q), groups, rank)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 @harness.needs_native
@@ -788,6 +844,15 @@ def test_the_lowrank_calls_refuse_what_does_not_fit_by_name():
     native.lowrank_product(runs, jnp.zeros(6), [1.0], jnp.zeros(0), groups, 2)
   with pytest.raises(ValueError, match="`scales`"):
     native.lowrank_product(runs, jnp.zeros(8), [1.0, 2.0], jnp.zeros(0), groups, 2)
+  with pytest.raises(ValueError, match="one f32 leaf per matrix"):
+    native.lowrank_product(runs * 2, jnp.zeros(8), [1.0], jnp.zeros(0), groups, 2,
+                           residual=jnp.zeros(12))
+  with pytest.raises(ValueError, match="`residual`"):
+    native.lowrank_product(runs, jnp.zeros(8), [1.0], jnp.zeros(0), groups, 2,
+                           residual=jnp.zeros(11))
+  with pytest.raises(ValueError, match="one f32 leaf per matrix"):
+    native.lowrank_residual(jnp.zeros(12), [jnp.zeros(12, jnp.int32)], jnp.zeros(6),
+                            jnp.zeros(8), groups, 2, from_leaves=True)
   with pytest.raises(ValueError, match="`lengths`"):
     native.factor_columns(jnp.zeros(8), [4, 0], 2)
   with pytest.raises(ValueError, match="`factor`"):

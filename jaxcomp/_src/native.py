@@ -714,9 +714,10 @@ def qsgd_encode(x: jax.Array, block: int, levels: int, words: tuple[jax.Array, j
 
 
 def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, int]],
-                  rank: int) -> tuple[list[jax.Array], np.ndarray, int]:
-  """``(runs flat, groups as the calls' flat attribute, rank)``, checked; raises
-  :class:`RuntimeError` where the custom calls are not :func:`available`."""
+                  rank: int, leaves: bool = False) -> tuple[list[jax.Array], np.ndarray, int]:
+  """``(runs flat, groups as the calls' flat attribute, rank)``, checked (one run per
+  group, or per matrix with ``leaves``); raises :class:`RuntimeError` where the custom
+  calls are not :func:`available`."""
   _check_available()
   groups = [tuple(checks.check_number(x, "groups", integer=True, low=1) for x in g)
             for g in groups]
@@ -724,21 +725,26 @@ def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, in
     raise ValueError(f"`groups` must be (count, rows, cols) triples, at least one, got {groups}")
   rank = checks.check_number(rank, "rank", integer=True, low=1)
   runs = [run.reshape(-1) for run in runs]
-  if len(runs) != len(groups):
+  if leaves:
+    if len(runs) != sum(g[0] for g in groups) or any(run.dtype != jnp.float32 for run in runs):
+      raise ValueError(f"one f32 leaf per matrix: {len(runs)} leaves for the groups {groups}")
+  elif len(runs) != len(groups):
     raise ValueError(f"one run per group: {len(runs)} runs for {len(groups)} groups")
   return runs, np.asarray(groups, np.int64).reshape(-1), rank
 
 
 def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequence[float],
                     dense: jax.Array, groups: Sequence[tuple[int, int, int]], rank: int, *,
-                    transposed: bool = False, unit: bool = False) -> jax.Array:
+                    transposed: bool = False, unit: bool = False,
+                    residual: Optional[jax.Array] = None) -> jax.Array:
   """The low-rank methods' products of every compressed matrix with its factor, by the
   custom call (CPU only): one call for a bucket, where XLA makes a scaling and a
   product per group of equal shapes.
 
   Args:
     runs: one f32 array per group, its ``count`` matrices (``rows x cols``,
-      row-major) end to end (:attr:`jaxcomp._src.lowrank.MatrixView.groups`).
+      row-major) end to end (:attr:`jaxcomp._src.lowrank.MatrixView.groups`);
+      with ``residual``, one per matrix (the gradient's leaves where they lie).
     factor: the flat factor buffer, each matrix's ``cols x rank`` (``rows x rank``
       with ``transposed``) row-major, matrix after matrix.
     scales: static, one per matrix: its factor columns' multiplier.
@@ -748,6 +754,10 @@ def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequen
     transposed: ``M^T F`` where ``False`` gives ``M F``.
     unit: each column is first multiplied by
       :func:`jaxcomp._src.binade.unit_factor` of its largest magnitude.
+    residual: ``f32[>= the matrices' entries]``, laid out as the runs end to end:
+      each matrix is then its leaf plus its span of it, formed a row at a time in
+      cache (the same bits as the sum written first), so that the corrected
+      gradient is never written.
 
   Returns:
     ``f32[products + dense.size]``: each matrix's product (``rows x rank``,
@@ -759,7 +769,7 @@ def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequen
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
-  runs, flat_groups, rank = _checked_runs(runs, groups, rank)
+  runs, flat_groups, rank = _checked_runs(runs, groups, rank, leaves=residual is not None)
   matrices = sum(g for g, _, _ in groups)
   inner = sum(g * (rows if transposed else cols) for g, rows, cols in groups) * rank
   outer = sum(g * (cols if transposed else rows) for g, rows, cols in groups) * rank
@@ -767,10 +777,16 @@ def lowrank_product(runs: Sequence[jax.Array], factor: jax.Array, scales: Sequen
   if factor.shape != (inner,) or scales.shape != (matrices,):
     raise ValueError(f"`factor` must be f32[{inner}] and `scales` {matrices} values,"
                      f" got {list(factor.shape)} and {scales.size}")
+  entries = sum(g * rows * cols for g, rows, cols in groups)
+  if residual is not None and (residual.ndim != 1 or residual.size < entries
+                               or residual.dtype != jnp.float32):
+    raise ValueError(f"`residual` must be f32[>= {entries}], got"
+                     f" {residual.dtype}{list(residual.shape)}")
   return jax.ffi.ffi_call(
       "jaxcomp_lowrank_product", jax.ShapeDtypeStruct((outer + dense.size,), jnp.float32),
       vmap_method="sequential",
-  )(factor, dense.reshape(-1), *runs, groups=flat_groups,
+  )(factor, dense.reshape(-1), jnp.zeros((0,), jnp.float32) if residual is None else residual,
+    *runs, groups=flat_groups,
     scales=scales, rank=np.int64(rank), transposed=np.int64(transposed), unit=np.int64(unit))
 
 
@@ -816,14 +832,18 @@ def factor_columns(factor: jax.Array, lengths: Sequence[int], rank: int, *,
 
 
 def lowrank_residual(buffer: jax.Array, runs: Sequence[jax.Array], p: jax.Array, q: jax.Array,
-                     groups: Sequence[tuple[int, int, int]], rank: int) -> jax.Array:
+                     groups: Sequence[tuple[int, int, int]], rank: int, *,
+                     from_leaves: bool = False) -> jax.Array:
   """Each compressed matrix's ``M - P Q^T`` written over the start of ``buffer``, by the
   custom call (CPU only), in place where XLA can give it ``buffer`` (donated).
 
   Args:
     buffer: ``f32[n]``, at least the matrices' entries; its entries after them
       stay as they are.
-    runs: the matrices ``M``, one f32 array per group (:func:`lowrank_product`).
+    runs: the matrices ``M``, one f32 array per group (:func:`lowrank_product`);
+      with ``from_leaves``, one per matrix, the gradient's leaves, and ``M`` is
+      each plus its span of ``buffer`` (the old residual, read a row at a time
+      before that row is written: the corrected gradient is never written).
     p: the flat ``P`` buffer, each matrix's ``rows x rank`` row-major.
     q: the flat ``Q`` buffer, each matrix's ``cols x rank`` row-major.
     groups: static ``(count, rows, cols)`` per run.
@@ -839,7 +859,7 @@ def lowrank_residual(buffer: jax.Array, runs: Sequence[jax.Array], p: jax.Array,
   Raises:
     RuntimeError: the custom call is not :func:`available`.
   """
-  runs, flat_groups, rank = _checked_runs(runs, groups, rank)
+  runs, flat_groups, rank = _checked_runs(runs, groups, rank, leaves=from_leaves)
   size = sum(g * rows * cols for g, rows, cols in groups)
   p_size = sum(g * rows for g, rows, _ in groups) * rank
   q_size = sum(g * cols for g, _, cols in groups) * rank
@@ -850,7 +870,8 @@ def lowrank_residual(buffer: jax.Array, runs: Sequence[jax.Array], p: jax.Array,
   return jax.ffi.ffi_call(
       "jaxcomp_lowrank_residual", jax.ShapeDtypeStruct(buffer.shape, jnp.float32),
       vmap_method="sequential", input_output_aliases={0: 0},
-  )(buffer, p, q, *runs, groups=flat_groups, rank=np.int64(rank))
+  )(buffer, p, q, *runs, groups=flat_groups, rank=np.int64(rank),
+    from_leaves=np.int64(from_leaves))
 
 
 def densify_leaves(values: jax.Array, indices: jax.Array, sizes: Sequence[int],

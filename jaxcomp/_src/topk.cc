@@ -66,7 +66,10 @@
 // its factor (M F or M^T F, the factor's columns scaled by powers of two), each
 // factor's columns scaled, refilled and orthonormalised (in double), and each
 // matrix's M - P Q^T written over the residual in place. Their sums run in one fixed
-// order (not XLA's), the same on every machine: the two routes agree to rounding.
+// order (not XLA's), the same on every machine: the two routes agree to rounding. The
+// products and the residual take M as written (one run per group), or form it a row
+// at a time in cache from the leaves and the residual (the corrected gradient is then
+// never written: the same bits).
 //
 // JaxcompDctTopk: DeMo's selection (jaxcomp/_src/demo.py): the corrected gradient (the
 // leaves plus the residual, as JaxcompCorrected forms it) cut into chunks, each chunk's
@@ -1049,44 +1052,67 @@ std::vector<Group> Groups(ffi::Span<const int64_t> flat) {
   return groups;
 }
 
-// One compressed leaf: its matrix, its shape, and where its factor lies in the
-// factor buffer read (`in`) and in the one written (`out`).
+// One compressed leaf: its matrix (the corrected gradient `m`, or with `e` the
+// gradient to which the residual `e` is added), its shape, and where its factor lies in
+// the factor buffer read (`in`) and in the one written (`out`).
 struct Leaf {
   const float* m;
   int64_t rows, cols, in, out;
+  const float* e = nullptr;
+
+  // Entries [from, to) of row i of M: `m`'s own, or with `e` their sum with the
+  // residual's, formed in `scratch` (at least to - from entries).
+  const float* Row(int64_t i, int64_t from, int64_t to, float* scratch) const {
+    const float* g = m + i * cols + from;
+    if (e == nullptr) return g;
+    const float* residual = e + i * cols + from;
+    for (int64_t k = 0; k < to - from; ++k) scratch[k] = g[k] + residual[k];
+    return scratch;
+  }
 };
 
-// Every matrix of a method's runs (one per group), in order, into `leaves` (their
-// offsets left 0 for the caller), or an error where the runs do not fit the groups.
+// Every matrix of a method's runs, in order, into `leaves` (their offsets left 0 for
+// the caller), or an error where the runs do not fit the groups: one run per group,
+// its matrices end to end, or with `apart` one run per matrix (the leaves as they
+// lie). With `residual` (at least the matrices' entries, laid out as they are), each
+// matrix's M is its run plus its span of it.
 ffi::Error RunMatrices(ffi::Span<const int64_t> groups_attr, ffi::RemainingArgs& runs, int64_t r,
-                       std::vector<Leaf>* leaves) {
+                       bool apart, const float* residual, std::vector<Leaf>* leaves) {
   const std::vector<Group> groups = Groups(groups_attr);
-  if (groups.empty() || groups.size() != runs.size() || r < 1) {
-    return ffi::Error::InvalidArgument("one run per group of positive sizes, and rank >= 1");
+  size_t matrices = 0;
+  for (const Group& group : groups) matrices += group.count;
+  if (groups.empty() || (apart ? matrices : groups.size()) != runs.size() || r < 1) {
+    return ffi::Error::InvalidArgument(
+        "one run per group (per matrix where apart) of positive sizes, and rank >= 1");
   }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    auto run = runs.get<ffi::Buffer<ffi::F32>>(g);
-    if (!run.has_value()) return run.error();
-    const Group& group = groups[g];
-    if (static_cast<int64_t>(run->element_count()) != group.count * group.rows * group.cols) {
-      return ffi::Error::InvalidArgument("each run must hold its group's matrices");
-    }
+  int64_t at = 0, offset = 0;
+  for (const Group& group : groups) {
+    const int64_t size = group.rows * group.cols;
     for (int64_t c = 0; c < group.count; ++c) {
-      leaves->push_back({run->typed_data() + c * group.rows * group.cols, group.rows, group.cols,
-                         0, 0});
+      auto run = runs.get<ffi::Buffer<ffi::F32>>(apart ? at + c : at);
+      if (!run.has_value()) return run.error();
+      if (static_cast<int64_t>(run->element_count()) != (apart ? 1 : group.count) * size) {
+        return ffi::Error::InvalidArgument("each run must hold its group's matrices");
+      }
+      leaves->push_back({run->typed_data() + (apart ? 0 : c * size), group.rows, group.cols, 0,
+                         0, residual == nullptr ? nullptr : residual + offset});
+      offset += size;
     }
+    at += apart ? group.count : 1;
   }
   return ffi::Error::Success();
 }
 
-// Rows [first, last) of m (? x cols) times the r columns of a factor given as r rows
-// of cols entries (`columns`), into out (rows x r, row-major). Column by column over
-// the row (in cache), so that the sums stay in registers.
-JAXCOMP_WIDE void LeftRows(const float* m, int64_t cols, const float* columns, int64_t r, int64_t first,
-              int64_t last, float* out) {
+// Rows [first, last) of a leaf's M (? x cols) times the r columns of a factor given as
+// r rows of cols entries (`columns`), into out (rows x r, row-major). Column by column
+// over the row (in cache), so that the sums stay in registers.
+JAXCOMP_WIDE void LeftRows(const Leaf& leaf, const float* columns, int64_t r, int64_t first,
+                           int64_t last, float* out) {
+  const int64_t cols = leaf.cols;
   const int64_t whole = cols - cols % kLanes;
+  std::vector<float> scratch(leaf.e == nullptr ? 0 : cols);
   for (int64_t i = first; i < last; ++i) {
-    const float* row = m + i * cols;
+    const float* row = leaf.Row(i, 0, cols, scratch.data());
     for (int64_t j = 0; j < r; ++j) {
       const float* column = columns + j * cols;
       float lane[kLanes] = {};
@@ -1100,14 +1126,15 @@ JAXCOMP_WIDE void LeftRows(const float* m, int64_t cols, const float* columns, i
   }
 }
 
-// Columns [first, last) of m^T f (m rows x cols, f rows x r, row-major) into out
-// (cols x r); each entry summed over the rows in order.
-JAXCOMP_WIDE void RightColumns(const float* m, int64_t rows, int64_t cols, const float* f, int64_t r,
-                  int64_t first, int64_t last, float* out) {
+// Columns [first, last) of M^T f (a leaf's M rows x cols, f rows x r, row-major) into
+// out (cols x r); each entry summed over the rows in order.
+JAXCOMP_WIDE void RightColumns(const Leaf& leaf, const float* f, int64_t r, int64_t first,
+                               int64_t last, float* out) {
   const int64_t width = last - first;
   std::vector<float> sums(r * width, 0.0f);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = m + i * cols + first;
+  std::vector<float> scratch(leaf.e == nullptr ? 0 : width);
+  for (int64_t i = 0; i < leaf.rows; ++i) {
+    const float* row = leaf.Row(i, first, last, scratch.data());
     for (int64_t j = 0; j < r; ++j) {
       float* sum = &sums[j * width];
       const float p = f[i * r + j];
@@ -1156,12 +1183,30 @@ void AsRows(const float* f, int64_t n, int64_t r, float* rows) {
   }
 }
 
+// The matrices' entries of a flat (count, rows, cols) attribute (0 where it is not
+// whole triples).
+int64_t MatrixEntries(ffi::Span<const int64_t> groups_attr) {
+  int64_t size = 0;
+  for (const Group& group : Groups(groups_attr)) size += group.count * group.rows * group.cols;
+  return size;
+}
+
 ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32> dense,
-                              ffi::RemainingArgs runs, ffi::Span<const int64_t> groups_attr,
-                              ffi::Span<const float> scales, int64_t r, int64_t transposed,
-                              int64_t unit, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs runs,
+                              ffi::Span<const int64_t> groups_attr, ffi::Span<const float> scales,
+                              int64_t r, int64_t transposed, int64_t unit,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  // With a residual, the runs are the leaves, each corrected by its span of it.
+  const bool corrects = residual.element_count() > 0;
+  if (corrects && static_cast<int64_t>(residual.element_count()) < MatrixEntries(groups_attr)) {
+    return ffi::Error::InvalidArgument("the residual must hold at least the matrices' entries");
+  }
   std::vector<Leaf> leaves;
-  if (ffi::Error error = RunMatrices(groups_attr, runs, r, &leaves); error.failure()) return error;
+  if (ffi::Error error = RunMatrices(groups_attr, runs, r, corrects,
+                                     corrects ? residual.typed_data() : nullptr, &leaves);
+      error.failure()) {
+    return error;
+  }
   int64_t in_size = 0, out_size = 0;
   for (Leaf& leaf : leaves) {
     leaf.in = in_size;
@@ -1215,8 +1260,8 @@ ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32
       InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
         OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
           const Leaf& leaf = leaves[a];
-          LeftRows(leaf.m, leaf.cols, columns.data() + leaf.in, r, from - starts[a],
-                   to - starts[a], result + leaf.out);
+          LeftRows(leaf, columns.data() + leaf.in, r, from - starts[a], to - starts[a],
+                   result + leaf.out);
         });
       });
     } else {
@@ -1225,8 +1270,8 @@ ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32
       InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
         OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
           const Leaf& leaf = leaves[a];
-          RightColumns(leaf.m, leaf.rows, leaf.cols, scaled.data() + leaf.in, r,
-                       from - starts[a], to - starts[a], result + leaf.out);
+          RightColumns(leaf, scaled.data() + leaf.in, r, from - starts[a], to - starts[a],
+                       result + leaf.out);
         });
       });
     }
@@ -1330,9 +1375,16 @@ JAXCOMP_WIDE void ResidualRow(const float* row, const float* p, const float* qt,
 ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F32> p,
                                ffi::Buffer<ffi::F32> q, ffi::RemainingArgs runs,
                                ffi::Span<const int64_t> groups_attr, int64_t r,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               int64_t from_leaves, ffi::ResultBuffer<ffi::F32> out) {
+  // With `from_leaves`, the runs are the leaves and M is each plus the old residual
+  // (the buffer's entries, read a row at a time before the row is written).
+  float* result = out->typed_data();
   std::vector<Leaf> leaves;
-  if (ffi::Error error = RunMatrices(groups_attr, runs, r, &leaves); error.failure()) return error;
+  if (ffi::Error error = RunMatrices(groups_attr, runs, r, from_leaves != 0,
+                                     from_leaves != 0 ? result : nullptr, &leaves);
+      error.failure()) {
+    return error;
+  }
   std::vector<int64_t> q_offsets;
   int64_t p_size = 0, q_size = 0, size = 0;
   for (Leaf& leaf : leaves) {
@@ -1352,7 +1404,6 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
         "P, Q and the buffer (at least the matrices' entries, the output's size) must fit the"
         " groups");
   }
-  float* result = out->typed_data();
   const float* factor_p = p.typed_data();
   const float* factor_q = q.typed_data();
   return Guarded("jaxcomp_lowrank_residual", [&] {
@@ -1372,8 +1423,9 @@ ffi::Error LowrankResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
     InHalvesByCost(costs, [&](int64_t begin, int64_t end) {
       OverParts(starts, leaves.size(), begin, end, [&](size_t a, int64_t from, int64_t to) {
         const Leaf& leaf = leaves[a];
+        std::vector<float> scratch(leaf.e == nullptr ? 0 : leaf.cols);
         for (int64_t i = from - starts[a]; i < to - starts[a]; ++i) {
-          ResidualRow(leaf.m + i * leaf.cols, factor_p + leaf.in + i * r,
+          ResidualRow(leaf.Row(i, 0, leaf.cols, scratch.data()), factor_p + leaf.in + i * r,
                       columns.data() + q_offsets[a], leaf.cols, r,
                       result + leaf.out + i * leaf.cols);
         }
@@ -1871,6 +1923,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankProduct, LowrankProductImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<ffi::Span<const float>>("scales")
@@ -1897,6 +1950,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompLowrankResidual, LowrankResidualImpl,
                                   .RemainingArgs()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("from_leaves")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompDensifyLeaves, DensifyLeavesImpl,
