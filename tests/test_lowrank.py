@@ -604,6 +604,32 @@ def test_the_custom_calls_give_the_xla_route_s_steps(name, mesh_name, bucket_cap
 
 
 @harness.needs_native
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.03])
+def test_the_calls_reading_the_leaves_give_the_bits_of_the_corrected_runs(name, bucket_cap_mb,
+                                                                         monkeypatch):
+  """Two steps on 8 devices with the products and the residual formed from the leaves
+  and the residual where they lie, and with error feedback's runs written first: the
+  same sums of the same entries, so the same means and states bit for bit; the first
+  writes no corrected gradient (no `jaxcomp_corrected` call, no n-sized fresh buffer)."""
+  factory = getattr(lowrank, name)
+
+  def run():
+    return harness.run_two_steps(lambda axis: factory(RANK, axis, bucket_cap_mb=bucket_cap_mb),
+                                 MANY, *MESHES["1d"])
+
+  from_leaves = run()
+  text = from_leaves["compiled"].as_text()
+  assert "jaxcomp_corrected" not in text and "jaxcomp_lowrank_product" in text
+  monkeypatch.setattr(lowrank, "_prepare_leaves", lambda rank, rate: None)
+  from_runs = run()
+  assert "jaxcomp_corrected" in from_runs["compiled"].as_text()
+  chex.assert_trees_all_equal(from_leaves["outs"], from_runs["outs"])
+  chex.assert_trees_all_equal(from_leaves["rows"], from_runs["rows"])
+  assert np.asarray(from_leaves["rows"][2].residual["a0"]).any()
+
+
+@harness.needs_native
 @pytest.mark.parametrize("factory, form, calls", [
     # (products, factor columns, residuals) per bucket
     (lowrank.powersgd, None, (2, 2, 1)),

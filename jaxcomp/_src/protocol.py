@@ -499,7 +499,8 @@ class Method:
       gradient: that gradient, or as much of it as the step reads (``None``
       where the step forms what it needs from the leaves in the carry). It
       may return ``None`` for a bucket it leaves alone, which is then
-      prepared as without it. ``None``: ``prepare`` and the addition always.
+      prepared as without it (in ``runs`` where the method has them).
+      ``None``: ``prepare`` and the addition always.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
       keeps itself.
@@ -561,7 +562,7 @@ class Method:
       (:func:`_corrected_runs`); ``None``: one array for the bucket. For a
       method that reads the gradient run by run (the low-rank methods' matrix
       products, one run per matrix shape); not with ``prepare`` or
-      ``flat_length``.
+      ``flat_length``. Where ``prepare_leaves`` takes a bucket, it is not cut.
     finish: ``finish(items) -> fields``, the work on the state that no
       exchange waits for, done once for every bucket after the last
       bucket's exchange: ``items`` holds each bucket's
@@ -785,10 +786,9 @@ def compressor(method: Method) -> optax.GradientTransformation:
   if method.runs is not None and (method.prepare is not None or method.flat_length is not None):
     raise ValueError(f"method {method.name!r} cuts its bucket into `runs`, which takes"
                      " neither `prepare` nor `flat_length`")
-  if method.prepare_leaves is not None and (method.runs is not None
-                                            or not method.error_feedback):
+  if method.prepare_leaves is not None and not method.error_feedback:
     raise ValueError(f"method {method.name!r}: `prepare_leaves` stands in for error"
-                     " feedback's addition (and `prepare`), with no `runs`")
+                     " feedback's addition (and `prepare`)")
 
   # The fields sized by the bucket: the residual and the method's own.
   sized = (("residual",) if method.error_feedback else ()) + tuple(method.bucket_fields)
@@ -838,14 +838,14 @@ def compressor(method: Method) -> optax.GradientTransformation:
     length = bucket.size
     if method.flat_length is not None:
       length = method.flat_length(bucket, ctx.num_devices)
-    if method.runs is not None:
-      corrected = _corrected_runs(bucket, method.runs(bucket), updates,
-                                  state.residual if method.error_feedback else None,
-                                  leaves_apart)
-    elif method.prepare_leaves is not None and _native_sum(bucket, leaves_apart) and (
+    if method.prepare_leaves is not None and _native_sum(bucket, leaves_apart) and (
         prepared := method.prepare_leaves(ctx, _bucket_leaves(bucket, updates), state)):
       corrected, carry = prepared
       ctx = dataclasses.replace(ctx, carry=carry)
+    elif method.runs is not None:
+      corrected = _corrected_runs(bucket, method.runs(bucket), updates,
+                                  state.residual if method.error_feedback else None,
+                                  leaves_apart)
     elif method.prepare is not None:
       corrected, carry = method.prepare(ctx, _fused(bucket, updates, length, leaves_apart),
                                         state)
