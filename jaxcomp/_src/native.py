@@ -92,7 +92,9 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_momentum_masked": "JaxcompMomentumMasked",
             "jaxcomp_dct_topk": "JaxcompDctTopk", "jaxcomp_dct_residual": "JaxcompDctResidual",
             "jaxcomp_qsgd_levels": "JaxcompQsgdLevels",
-            "jaxcomp_qsgd_encode": "JaxcompQsgdEncode"}
+            "jaxcomp_qsgd_encode": "JaxcompQsgdEncode",
+            "jaxcomp_integer_encode": "JaxcompIntegerEncode",
+            "jaxcomp_integer_residual": "JaxcompIntegerResidual"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 # -fno-trapping-math: no floating-point exception is looked at, so that loops that
@@ -711,6 +713,81 @@ def qsgd_encode(x: jax.Array, block: int, levels: int, words: tuple[jax.Array, j
       vmap_method="sequential")(x.reshape(-1), word_pair, block=np.int64(block),
                                 levels=np.float32(levels))
   return lax.bitcast_convert_type(payload, jnp.int8), norms, inverses
+
+
+def _integer_inputs(leaves, block, bits: int) -> tuple[list, int, int, int]:
+  """``(f32 leaves, their entries n, block, bits)``, checked, for the integer codes' calls."""
+  _check_available()
+  leaves, n = _f32_leaves(leaves)
+  bits = checks.check_number(bits, "bits", integer=True, low=4, high=8)
+  if bits not in (4, 8):
+    raise ValueError(f"`bits` must be 8 or 4, got {bits}")
+  block = checks.check_number(block, "block", integer=True, low=2 if bits == 4 else 1)
+  if bits == 4 and block % 2:
+    raise ValueError(f"`block` must be even with 4 bits, got {block}")
+  return leaves, n, block, bits
+
+
+def integer_encode(leaves, residual: jax.Array, length: int, block: int,
+                   bits: int) -> tuple[jax.Array, jax.Array]:
+  """:func:`jaxcomp._src.quantized.encode` of the leaves plus ``residual`` (padded with zeros
+  to ``length``) by the custom call (CPU only), a few blocks at a time in cache: the
+  corrected gradient is never written.
+
+  Args:
+    leaves: f32 arrays of any shapes, ``n`` entries together, read where they lie.
+    residual: ``f32[n]``, added to them entry by entry.
+    length: static, a multiple of ``block`` of at least ``n``.
+    block: static, entries per scale (even with 4 bits).
+    bits: static, 8 or 4.
+
+  Returns:
+    ``(payload, scales)``: uint8 ``[length * bits / 8]`` and f32 ``[length / block]``,
+    the JAX route's bits as XLA:CPU computes it (the scale the largest magnitude, NaN
+    as ``inf``, times the f32 reciprocal of the top level; each level the nearest
+    integer of the entry times the scale's f32 inverse, NaN as 0).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  leaves, n, block, bits = _integer_inputs(leaves, block, bits)
+  length = checks.check_number(length, "length", integer=True, low=max(n, 1))
+  if length % block:
+    raise ValueError(f"`length` {length} must be whole blocks of {block}")
+  if residual.shape != (n,) or residual.dtype != jnp.float32:
+    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
+                     f" {residual.dtype}{list(residual.shape)}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_integer_encode",
+      (jax.ShapeDtypeStruct((length * bits // 8,), jnp.uint8),
+       jax.ShapeDtypeStruct((length // block,), jnp.float32)),
+      vmap_method="sequential")(residual, *leaves, block=np.int64(block), bits=np.int64(bits))
+
+
+def integer_residual(buffer: jax.Array, scales: jax.Array, leaves, block: int,
+                     bits: int) -> jax.Array:
+  """Error feedback's residual of the integer codes, ``c - s l`` (``c`` the leaves plus
+  ``buffer``, the old residual; ``l`` its levels from the scales ``s`` of
+  :func:`integer_encode`), written over ``buffer`` in place where XLA can give it
+  (donated), by the custom call (CPU only): the JAX route's bits.
+
+  Args:
+    buffer: ``f32[n]``, the old residual, read a block at a time before it is written.
+    scales: f32, at least ``ceil(n / block)``: each block's.
+    leaves: f32 arrays, ``n`` entries together.
+    block: static; bits: static, 8 or 4.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  leaves, n, block, bits = _integer_inputs(leaves, block, bits)
+  if buffer.shape != (n,) or scales.ndim != 1 or scales.size * block < n:
+    raise ValueError(f"`buffer` must be f32[{n}] and `scales` hold ceil({n} / {block}) blocks,"
+                     f" got {list(buffer.shape)} and {list(scales.shape)}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_integer_residual", jax.ShapeDtypeStruct((n,), jnp.float32),
+      vmap_method="sequential", input_output_aliases={0: 0},
+  )(buffer, scales.astype(jnp.float32), *leaves, block=np.int64(block), bits=np.int64(bits))
 
 
 def _checked_runs(runs: Sequence[jax.Array], groups: Sequence[tuple[int, int, int]],

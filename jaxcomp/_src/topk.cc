@@ -71,6 +71,12 @@
 // at a time in cache from the leaves and the residual (the corrected gradient is then
 // never written: the same bits).
 //
+// JaxcompIntegerEncode, JaxcompIntegerResidual: the integer codes' first encoding
+// (jaxcomp/_src/quantized.py's encode, XLA:CPU's bits) of the leaves plus the residual,
+// a few blocks at a time in cache, nothing of n entries written; and once the step is
+// kept, its residual, the sum less its levels times their scales, over the old residual
+// in place.
+//
 // JaxcompDctTopk: DeMo's selection (jaxcomp/_src/demo.py): the corrected gradient (the
 // leaves plus the residual, as JaxcompCorrected forms it) cut into chunks, each chunk's
 // DCT-II scaled as DeMo's, and its k coefficients of largest magnitude as
@@ -1680,6 +1686,133 @@ ffi::Error DctResidualImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32>
   });
 }
 
+// ------------------------------------------------------------------- integer codes
+
+// jaxcomp/_src/quantized.py's level of x in a block whose scale s has the f32 inverse
+// `inverse` = 1 / s (s = 0 taken as 1), as XLA:CPU divides by s: the nearest integer
+// of x times it (ties to even), clipped to [-top, top] (top: 127 or 7); NaN as 0, as
+// XLA:CPU converts it (its block's scale is inf: every entry decodes non-finite); a
+// zero without its sign, as the int8 it is sent as (+ 0: -0 + 0 is +0).
+inline float IntegerLevel(float x, float inverse, float top) {
+  const float level = std::nearbyint(x * inverse);
+  return level != level ? 0.0f : std::min(top, std::max(-top, level)) + 0.0f;
+}
+
+// Blocks [first, last) of `block` entries of the leaves plus the residual end to end
+// (then zeros), a tile at a time in `tile` (CorrectedSpan's sums): each block's scale,
+// its largest magnitude (NaN as inf) times the f32 reciprocal of `top`, as XLA:CPU
+// takes jaxcomp/_src/quantized.py's division by the constant; and its levels as
+// bytes: 8 bits one int8 each, 4 bits two a byte (l + 8, the first in the low nibble).
+JAXCOMP_WIDE void IntegerBlocks(const std::vector<const float*>& leaves,
+                                const std::vector<int64_t>& offsets, const float* residual,
+                                int64_t block, int64_t bits, int64_t first, int64_t last,
+                                float* scales, uint8_t* payload) {
+  const float top = bits == 8 ? 127.0f : 7.0f;
+  const float reciprocal = 1.0f / top;
+  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
+  std::vector<float> tile(per_tile * block), levels(block);
+  for (int64_t b = first; b < last; b += per_tile) {
+    const int64_t stop = std::min(last, b + per_tile);
+    CorrectedSpan(leaves, offsets, residual, tile.data(), b * block, b * block, stop * block);
+    for (int64_t c = b; c < stop; ++c) {
+      const float* x = tile.data() + (c - b) * block;
+      const int32_t largest = LargestKey(x, block);
+      float magnitude;
+      std::memcpy(&magnitude, &largest, sizeof(magnitude));
+      scales[c] = magnitude * reciprocal;
+      const float inverse = 1.0f / Divisor(scales[c]);
+      for (int64_t j = 0; j < block; ++j) levels[j] = IntegerLevel(x[j], inverse, top);
+      if (bits == 8) {
+        int8_t* bytes = reinterpret_cast<int8_t*>(payload) + c * block;
+        for (int64_t j = 0; j < block; ++j) bytes[j] = static_cast<int8_t>(levels[j]);
+      } else {
+        uint8_t* bytes = payload + c * block / 2;
+        for (int64_t j = 0; j < block / 2; ++j) {
+          bytes[j] = static_cast<uint8_t>(static_cast<int32_t>(levels[2 * j]) + 8) |
+                     static_cast<uint8_t>((static_cast<int32_t>(levels[2 * j + 1]) + 8) << 4);
+        }
+      }
+    }
+  }
+}
+
+ffi::Error IntegerEncodeImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
+                             int64_t block, int64_t bits, ffi::ResultBuffer<ffi::U8> payload,
+                             ffi::ResultBuffer<ffi::F32> scales) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
+  const int64_t count = static_cast<int64_t>(scales->element_count());
+  const int64_t given = static_cast<int64_t>(residual.element_count());
+  if ((bits != 8 && bits != 4) || block < 1 || (bits == 4 && block % 2 != 0) ||
+      count * block < offsets.back() || (given != 0 && given != offsets.back()) ||
+      static_cast<int64_t>(payload->element_count()) != count * block * bits / 8) {
+    return ffi::Error::InvalidArgument(
+        "8 or 4 bits (an even block for 4), the blocks holding the leaves, the residual as"
+        " long as they are or empty, and the payload's bytes of the blocks");
+  }
+  const float* add = given == 0 ? nullptr : residual.typed_data();
+  return Guarded("jaxcomp_integer_encode", [&] {
+    InHalves(count, count * block, [&](int64_t first, int64_t last) {
+      IntegerBlocks(data, offsets, add, block, bits, first, last, scales->typed_data(),
+                    payload->typed_data());
+    });
+  });
+}
+
+// Error feedback's residual of the integer codes once the step is kept: each entry of
+// the leaves plus the old residual (the buffer, read a block at a time before it is
+// written), less its level times its block's scale (IntegerBlocks' levels), over the
+// buffer in place.
+JAXCOMP_WIDE void IntegerResidualBlocks(const std::vector<const float*>& leaves,
+                                        const std::vector<int64_t>& offsets, float* residual,
+                                        const float* scales, int64_t block, float top,
+                                        int64_t first, int64_t last) {
+  const int64_t n = offsets.back();
+  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
+  std::vector<float> tile(per_tile * block);
+  for (int64_t b = first; b < last; b += per_tile) {
+    const int64_t begin = b * block, end = std::min(n, std::min(last, b + per_tile) * block);
+    if (begin >= end) break;
+    CorrectedSpan(leaves, offsets, residual, tile.data(), begin, begin, end);
+    for (int64_t c = b; c * block < end; ++c) {
+      const float scale = scales[c];
+      const float inverse = 1.0f / Divisor(scale);
+      const float* x = tile.data() + (c - b) * block;
+      float* written = residual + c * block;
+      const int64_t entries = std::min(block, end - c * block);
+      for (int64_t j = 0; j < entries; ++j) {
+        written[j] = x[j] - scale * IntegerLevel(x[j], inverse, top);
+      }
+    }
+  }
+}
+
+ffi::Error IntegerResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F32> scales,
+                               ffi::RemainingArgs leaves, int64_t block, int64_t bits,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
+  const int64_t n = offsets.back();
+  const int64_t count = static_cast<int64_t>(scales.element_count());
+  if ((bits != 8 && bits != 4) || block < 1 || count * block < n ||
+      static_cast<int64_t>(buffer.element_count()) != n || out->element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "8 or 4 bits, the buffer (the output) as long as the leaves, and the scales' blocks"
+        " holding them");
+  }
+  float* result = out->typed_data();
+  return Guarded("jaxcomp_integer_residual", [&] {
+    if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
+    const int64_t used = (n + block - 1) / block;
+    InHalves(used, n, [&](int64_t first, int64_t last) {
+      IntegerResidualBlocks(data, offsets, result, scales.typed_data(), block,
+                            bits == 8 ? 127.0f : 7.0f, first, last);
+    });
+  });
+}
+
 // ------------------------------------------------------------------- QSGD
 
 // lowbias32 (jaxcomp/_src/draws.py's _mix).
@@ -1995,4 +2128,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncode, QsgdEncodeImpl,
                                   .Attr<float>("levels")
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompIntegerEncode, IntegerEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("bits")
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompIntegerResidual, IntegerResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("bits")
                                   .Ret<ffi::Buffer<ffi::F32>>());
