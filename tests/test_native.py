@@ -27,6 +27,7 @@ from jaxcomp._src import lowrank
 from jaxcomp._src import native
 from jaxcomp._src import protocol
 from jaxcomp._src import qsgd
+from jaxcomp._src import quantized
 from jaxcomp._src import selection
 from jaxcomp._src import sparseloco
 from jaxcomp._src import two_hop
@@ -451,8 +452,9 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 
 @harness.needs_native
 @pytest.mark.parametrize("name, config", [
-    ("topk", dict(density=0.05)), ("signsgd", {}), ("quantized", dict(bits=8)),
-    # The blocks' maxima from the call (4 bits: blocks of an even length).
+    ("topk", dict(density=0.05)), ("signsgd", {}),
+    # The blocks' maxima from the call (4 bits: blocks of an even length); with error
+    # feedback the integer codes take calls of their own (below).
     ("quantized", dict(bits=4, error_feedback=False)),
     ("sparseloco", dict(density=0.01, chunk_size=256)),
     # Without error feedback (the leaves copied, padded), and DGC's momentum first.
@@ -490,20 +492,63 @@ def test_the_corrected_gradient_is_one_call_with_the_jax_route_s_bits(
 
 
 @harness.needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.02])
+def test_the_integer_calls_give_the_jax_route_s_mean_and_its_residual_to_a_rounding(
+    bits, bucket_cap_mb, monkeypatch):
+  # Two steps on 8 devices, the first hop encoded from the leaves and the residual
+  # where they lie and the residual written by a call, one each per bucket: the JAX
+  # route's mean bit for bit (the same first hop's bytes and scales); each residual
+  # entry c - s l within a rounding of s l, which XLA:CPU may fuse into one rounding.
+  def run(native_route):
+    monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
+    runs = harness.run_two_steps(
+        lambda axis: jaxcomp.quantized(bits, axis, bucket_cap_mb=bucket_cap_mb), _TWELVE, 8,
+        ("data",))
+    text = runs["compiled"].as_text()
+    buckets = 1 if bucket_cap_mb is None else 2
+    for target in ("jaxcomp_integer_encode", "jaxcomp_integer_residual"):
+      assert text.count(f'custom_call_target="{target}"') == buckets * int(native_route)
+    return runs
+
+  by_calls, by_jax = run(True), run(False)
+  chex.assert_trees_all_equal(by_calls["outs"], by_jax["outs"])
+  for got, want in zip(by_calls["rows"][1:], by_jax["rows"][1:]):
+    np.testing.assert_array_equal(got.count, want.count)
+    for name in got.residual:
+      g, w = np.asarray(got.residual[name]), np.asarray(want.residual[name])
+      # A step s l of the mean's first encoding is at most the block's largest |c|.
+      bound = np.finfo(np.float32).eps * np.max(np.abs(np.asarray(
+          by_jax["grads"][0][name])), initial=0.0) * 4
+      assert np.max(np.abs(g - w), initial=0.0) <= bound, name
+      assert np.abs(w).max() > 0
+
+
+@harness.needs_native
 @pytest.mark.parametrize("native_route", [True, False])
-def test_the_integer_codes_take_their_scales_from_the_call_where_it_runs(
-    native_route, monkeypatch):
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_the_integer_codes_take_their_first_hop_or_scales_from_a_call_where_it_runs(
+    native_route, error_feedback, monkeypatch):
+  # With error feedback the first hop is the encoding call's (from the leaves and the
+  # residual); without it, the scales are the corrected call's, taken in its pass.
   monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
   given = []
   mean = two_hop.mean
 
   def recorded(*args, **kwargs):
-    given.append(args[5] if len(args) > 5 else kwargs.get("scales"))
+    scales = args[5] if len(args) > 5 else kwargs.get("scales")
+    given.append((scales is not None, kwargs.get("encoded") is not None))
     return mean(*args, **kwargs)
 
   monkeypatch.setattr(two_hop, "mean", recorded)
-  harness.run_two_steps(lambda axis: jaxcomp.quantized(8, axis), _TWELVE, 8, ("data",))
-  assert given and all((scales is not None) == native_route for scales in given)
+  runs = harness.run_two_steps(
+      lambda axis: jaxcomp.quantized(8, axis, error_feedback=error_feedback), _TWELVE, 8,
+      ("data",))
+  want = (native_route and not error_feedback, native_route and error_feedback)
+  assert given and all(g == want for g in given)
+  text = runs["compiled"].as_text()
+  assert ("jaxcomp_integer_encode" in text) == want[1]
+  assert ("jaxcomp_integer_residual" in text) == want[1]
 
 
 @harness.needs_native
@@ -588,6 +633,72 @@ def test_under_vmap_each_row_selects_its_own():
   for row, values, indices in zip(rows, *by_call):
     np.testing.assert_array_equal(indices, np.sort(harness.np_topk(row, 12)))
     np.testing.assert_array_equal(values, row[indices])
+
+
+# ------------------------------------------------------------------- integer codes
+
+def _flushed(x: np.ndarray) -> np.ndarray:
+  """``x`` with its subnormals as zeros of their sign, as XLA:CPU's arithmetic (and the
+  calls', on its threads) writes them."""
+  return np.where(np.abs(x) < np.finfo(np.float32).tiny, x * np.float32(0), x)
+
+
+@harness.needs_native
+@hypothesis.given(_leaf_sets(), st.sampled_from([8, 4]), st.integers(1, 8), st.integers(0, 3),
+                  st.booleans())
+def test_the_integer_calls_give_the_integer_codes_of_the_corrected_gradient(
+    case, bits, half_block, extra_blocks, donated):
+  # Ties, zeros of both signs, infinities, NaN and subnormals in the leaves and the
+  # residual; a partial last block and whole blocks of padding past them.
+  leaves, residual = case
+  n = residual.size
+  hypothesis.assume(n >= 1)
+  block = 2 * half_block if bits == 4 else 2 * half_block - 1
+  length = (-(-n // block) + extra_blocks) * block
+  payload, scales = jax.jit(lambda ls, e: native.integer_encode(ls, e, length, block, bits))(
+      leaves, residual)
+  corrected = _fused_sum(leaves, residual, length)
+  want_payload, want_scales = jax.jit(lambda c: quantized.encode(c, bits, block))(corrected)
+  np.testing.assert_array_equal(np.asarray(payload), np.asarray(want_payload))
+  np.testing.assert_array_equal(np.asarray(scales).view(np.uint32),
+                                np.asarray(want_scales).view(np.uint32))
+  # The residual: c less its level times its scale, two roundings (no fused multiply-add
+  # in the call), subnormals flushed; every level the payload's.
+  got = jax.jit(lambda b, s, ls: native.integer_residual(b, s, ls, block, bits),
+                donate_argnums=0 if donated else ())(jnp.asarray(residual), scales, leaves)
+  levels = np.asarray(jax.jit(lambda c, s: quantized._levels(c, bits, block, s)[0])(
+      corrected, want_scales)).astype(np.float32)
+  with np.errstate(invalid="ignore"):  # inf times a level of 0
+    steps = _flushed(np.repeat(np.asarray(want_scales), block) * levels)
+    want = _flushed(corrected - steps)[:n]
+  np.testing.assert_array_equal(_bits_any_nan(got), _bits_any_nan(want))
+
+
+@harness.needs_native
+def test_the_integer_calls_two_threads_meet_exactly_and_refuse_what_does_not_fit():
+  rng = np.random.default_rng(0)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in (700_001, 500_003)]
+  residual = rng.standard_normal(1_200_004).astype(np.float32)
+  length = 18_751 * 64
+  payload, scales = native.integer_encode(leaves, jnp.asarray(residual), length, 64, 8)
+  corrected = _fused_sum(leaves, residual, length)
+  want_payload, want_scales = quantized.encode(jnp.asarray(corrected), 8, 64)
+  np.testing.assert_array_equal(np.asarray(payload), np.asarray(want_payload))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  got = native.integer_residual(jnp.asarray(residual), scales, leaves, 64, 8)
+  levels = np.asarray(quantized._levels(jnp.asarray(corrected), 8, 64, want_scales)[0])
+  want = corrected - _flushed(np.repeat(np.asarray(want_scales), 64) * levels)
+  np.testing.assert_array_equal(np.asarray(got), want[:residual.size])
+  with pytest.raises(ValueError, match="`bits`"):
+    native.integer_encode(leaves, jnp.asarray(residual), length, 64, 6)
+  with pytest.raises(ValueError, match="`block` must be even"):
+    native.integer_encode(leaves, jnp.asarray(residual), length, 63, 4)
+  with pytest.raises(ValueError, match="`length`"):
+    native.integer_encode(leaves, jnp.asarray(residual), length + 1, 64, 8)
+  with pytest.raises(ValueError, match="`residual`"):
+    native.integer_encode(leaves, jnp.asarray(residual[1:]), length, 64, 8)
+  with pytest.raises(ValueError, match="`buffer`"):
+    native.integer_residual(jnp.asarray(residual), scales[:10], leaves, 64, 8)
 
 
 # ------------------------------------------------------------------- low rank

@@ -10,6 +10,8 @@ from jax import lax
 import optax
 
 from jaxcomp._src import checks
+from jaxcomp._src import fusion
+from jaxcomp._src import native
 from jaxcomp._src import protocol
 from jaxcomp._src import selection
 from jaxcomp._src import two_hop
@@ -170,13 +172,27 @@ def quantized(
   bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
   multiple = 2 if bits == 4 else 1
 
+  def prepare_leaves(ctx, leaves, state):
+    """Where the native custom calls sum the bucket, nothing is formed before the step:
+    its first encoding reads the leaves (the carry) and the residual where they lie
+    (:func:`jaxcomp._src.native.integer_encode`), and so does the residual once the step
+    is kept (:func:`jaxcomp._src.native.integer_residual`)."""
+    del ctx, state
+    return None, leaves
+
   def step(ctx, corrected, state):
-    del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, block_size, multiple)
+    codec = _codec(bits, block)
+    leaves = ctx.carry
+    if leaves is not None:
+      first = native.integer_encode(leaves, state.residual, ctx.num_devices * chunk, block, bits)
+      mean, _, scales = two_hop.mean(ctx, None, codec, block, chunk, encoded=first)
+      residual = fusion.Rewrite(
+          lambda old: native.integer_residual(old, first[1], leaves, block, bits))
+      return protocol.Output(mean=mean, residual=residual, witness=scales)
     # The blocks' largest magnitudes, where the corrected gradient's pass took them.
     scales = None if ctx.blocks is None else ctx.blocks[0] / _top(bits)
-    mean, residual, scales = two_hop.mean(ctx, corrected, _codec(bits, block), block, chunk,
-                                          scales)
+    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk, scales)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
 
   def block_length(bucket, devices):
@@ -192,6 +208,6 @@ def quantized(
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
       flat_length=two_hop.flat_length(block_size, multiple), blocks=protocol.Blocks(block_length),
-      error_feedback=error_feedback,
+      error_feedback=error_feedback, prepare_leaves=prepare_leaves if error_feedback else None,
       payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))
