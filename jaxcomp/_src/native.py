@@ -94,7 +94,9 @@ _TARGETS = {"jaxcomp_topk": "JaxcompTopk", "jaxcomp_sampled_topk": "JaxcompSampl
             "jaxcomp_qsgd_levels": "JaxcompQsgdLevels",
             "jaxcomp_qsgd_encode": "JaxcompQsgdEncode",
             "jaxcomp_integer_encode": "JaxcompIntegerEncode",
-            "jaxcomp_integer_residual": "JaxcompIntegerResidual"}
+            "jaxcomp_integer_residual": "JaxcompIntegerResidual",
+            "jaxcomp_qsgd_encode_leaves": "JaxcompQsgdEncodeLeaves",
+            "jaxcomp_qsgd_residual": "JaxcompQsgdResidual"}
 # -ffp-contract=off: no product and sum fused into one rounding where the target has
 # such an instruction, so that the low-rank products round alike on every machine.
 # -fno-trapping-math: no floating-point exception is looked at, so that loops that
@@ -713,6 +715,71 @@ def qsgd_encode(x: jax.Array, block: int, levels: int, words: tuple[jax.Array, j
       vmap_method="sequential")(x.reshape(-1), word_pair, block=np.int64(block),
                                 levels=np.float32(levels))
   return lax.bitcast_convert_type(payload, jnp.int8), norms, inverses
+
+
+def qsgd_encode_leaves(leaves, residual: Optional[jax.Array], length: int, block: int, levels: int,
+                       words: tuple[jax.Array, jax.Array]
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`qsgd_encode` of the leaves plus ``residual``, padded with zeros to ``length``
+  (a multiple of ``block``), a few blocks at a time in cache: the same bits, and the
+  corrected gradient is never written (where no block's squares overflow).
+
+  Args:
+    leaves: f32 arrays, ``n`` entries together, read where they lie.
+    residual: ``f32[n]``, added to them entry by entry; ``None``: none.
+    length, block, levels, words: static ``length``; as :func:`qsgd_encode`'s.
+
+  Returns:
+    :func:`qsgd_encode`'s ``(int8 levels [length], norms, inverses)``.
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  leaves, n = _f32_leaves(leaves)
+  block = checks.check_number(block, "block", integer=True, low=1)
+  levels = checks.check_number(levels, "levels", integer=True, low=1, high=127)
+  length = checks.check_number(length, "length", integer=True, low=max(n, 1))
+  if length % block:
+    raise ValueError(f"`length` {length} must be whole blocks of {block}")
+  if residual is None:
+    residual = jnp.zeros((0,), jnp.float32)
+  elif residual.shape != (n,) or residual.dtype != jnp.float32:
+    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
+                     f" {residual.dtype}{list(residual.shape)}")
+  rows = jax.ShapeDtypeStruct((length // block,), jnp.float32)
+  word_pair = jnp.stack([jnp.asarray(w, jnp.uint32) for w in words])
+  payload, norms, inverses = jax.ffi.ffi_call(
+      "jaxcomp_qsgd_encode_leaves", (jax.ShapeDtypeStruct((length,), jnp.uint8), rows, rows),
+      vmap_method="sequential")(residual, word_pair, *leaves, block=np.int64(block),
+                                levels=np.float32(levels))
+  return lax.bitcast_convert_type(payload, jnp.int8), norms, inverses
+
+
+def qsgd_residual(buffer: jax.Array, payload: jax.Array, steps: jax.Array, leaves,
+                  block: int) -> jax.Array:
+  """QSGD's residual ``c - t l`` (``c`` the leaves plus ``buffer``, the old residual; ``l``
+  the int8 levels of ``payload``; ``t`` each block's ``steps``, its norm over the levels as
+  the JAX route decodes them) written over ``buffer`` in place where XLA can give it
+  (donated), by the custom call (CPU only): two roundings, where XLA may fuse the
+  product and the difference into one (the routes agree to a rounding of ``t l``).
+
+  Raises:
+    RuntimeError: the custom call is not :func:`available`.
+  """
+  _check_available()
+  leaves, n = _f32_leaves(leaves)
+  block = checks.check_number(block, "block", integer=True, low=1)
+  if (buffer.shape != (n,) or payload.ndim != 1 or payload.size < n
+      or steps.ndim != 1 or steps.size * block < n):
+    raise ValueError(f"`buffer` must be f32[{n}], `payload` hold a level per entry and"
+                     f" `steps` one per block of {block}; got {list(buffer.shape)},"
+                     f" {list(payload.shape)}, {list(steps.shape)}")
+  return jax.ffi.ffi_call(
+      "jaxcomp_qsgd_residual", jax.ShapeDtypeStruct((n,), jnp.float32),
+      vmap_method="sequential", input_output_aliases={0: 0},
+  )(buffer, lax.bitcast_convert_type(payload, jnp.uint8), steps.astype(jnp.float32), *leaves,
+    block=np.int64(block))
 
 
 def _integer_inputs(leaves, block, bits: int) -> tuple[list, int, int, int]:

@@ -77,6 +77,11 @@
 // kept, its residual, the sum less its levels times their scales, over the old residual
 // in place.
 //
+// JaxcompQsgdEncodeLeaves, JaxcompQsgdResidual: QSGD's first encoding
+// (JaxcompQsgdEncode's) of the leaves plus the residual, a few blocks at a time in
+// cache, and once the step is kept its residual, the sum less its decoded levels, over
+// the old residual in place.
+//
 // JaxcompDctTopk: DeMo's selection (jaxcomp/_src/demo.py): the corrected gradient (the
 // leaves plus the residual, as JaxcompCorrected forms it) cut into chunks, each chunk's
 // DCT-II scaled as DeMo's, and its k coefficients of largest magnitude as
@@ -1829,18 +1834,20 @@ inline uint32_t Mix(uint32_t x) {
 // 0), u its unit factor and v its inverse, s = levels ((|x| u) v), rounded up from
 // floor(s) where the entry's draw (draws.py's uniform of the words w0, w1 at its
 // position) is below s - floor(s), at most `levels`, signed like x.
+// `x` holds the blocks from `x_first` on (0: all of them).
 JAXCOMP_WIDE void QsgdLevels(const float* x, const float* norms, const float* inverses,
                              int64_t block, int64_t first, int64_t last, float levels,
-                             uint32_t w0, uint32_t w1, uint8_t* out) {
+                             uint32_t w0, uint32_t w1, uint8_t* out, int64_t x_first = 0) {
   for (int64_t b = first; b < last; ++b) {
     const float divisor = Divisor(norms[b]);
     const float unit = UnitFactor(MagnitudeKey(divisor));
     const float inverse = inverses[b];
     const int64_t start = b * block;
+    const float* entries = x + (b - x_first) * block;
     // Branch-free, so that the loop is vectorized: the level is in [-levels, levels]
     // or NaN (a block that is not finite), which converts to 0 as XLA converts it.
     for (int64_t j = 0; j < block; ++j) {
-      const float value = x[start + j];
+      const float value = entries[j];
       const float scaled = levels * ((std::fabs(value) * unit) * inverse);
       const float floor = std::floor(scaled);
       const uint32_t word = Mix(static_cast<uint32_t>(start + j) ^ w0) ^ w1;
@@ -1876,6 +1883,107 @@ void QsgdEncode(const float* x, int64_t block, int64_t m, float levels, uint32_t
   FinishNorms(x, block, m, norms, inverses);
   InHalves(m, m * block, [&](int64_t first, int64_t last) {
     QsgdLevels(x, norms, inverses, block, first, last, levels, w0, w1, out);
+  });
+}
+
+// QsgdEncode of the leaves (plus the residual, where given) end to end, then zeros (m
+// blocks), a few
+// blocks at a time formed in a tile (CorrectedSpan's sums): nothing of n entries is
+// written, where no block's squares overflow; where one does, the sum is formed whole
+// and QsgdEncode takes it.
+void QsgdEncodeLeaves(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                      const float* residual, int64_t block, int64_t m, float levels, uint32_t w0,
+                      uint32_t w1, float* norms, float* inverses, uint8_t* out) {
+  InHalves(m, m * block, [&](int64_t first, int64_t last) {
+    const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
+    std::vector<float> tile(per_tile * block);
+    for (int64_t b = first; b < last; b += per_tile) {
+      const int64_t stop = std::min(last, b + per_tile);
+      CorrectedSpan(leaves, offsets, residual, tile.data(), b * block, b * block, stop * block);
+      for (int64_t c = b; c < stop; ++c) {
+        norms[c] = std::sqrt(SumOfSquares(tile.data() + (c - b) * block, block, 1.0f));
+        inverses[c] = NormInverse(norms[c]);
+        if (std::isfinite(norms[c])) {
+          QsgdLevels(tile.data(), norms, inverses, block, c, c + 1, levels, w0, w1, out, b);
+        }
+      }
+    }
+  });
+  bool finite = true;
+  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
+  if (finite) return;
+  std::vector<float> x(m * block);
+  CorrectedSpan(leaves, offsets, residual, x.data(), 0, 0, m * block);
+  QsgdEncode(x.data(), block, m, levels, w0, w1, norms, inverses, out);
+}
+
+ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::U32> words,
+                                ffi::RemainingArgs leaves, int64_t block, float levels,
+                                ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::F32> norms,
+                                ffi::ResultBuffer<ffi::F32> inverses) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
+  const int64_t m = static_cast<int64_t>(norms->element_count());
+  const int64_t given = static_cast<int64_t>(residual.element_count());
+  if (block < 1 || m * block < offsets.back() || (given != 0 && given != offsets.back()) ||
+      inverses->element_count() != norms->element_count() || words.element_count() != 2 ||
+      static_cast<int64_t>(out->element_count()) != m * block) {
+    return ffi::Error::InvalidArgument(
+        "whole blocks of `block` >= 1 entries holding the leaves, the residual as long as"
+        " they are or empty, one norm and one inverse a block, the words two and a level an"
+        " entry");
+  }
+  const uint32_t w0 = words.typed_data()[0], w1 = words.typed_data()[1];
+  const float* add = given == 0 ? nullptr : residual.typed_data();
+  return Guarded("jaxcomp_qsgd_encode_leaves", [&] {
+    QsgdEncodeLeaves(data, offsets, add, block, m, levels, w0, w1,
+                     norms->typed_data(), inverses->typed_data(), out->typed_data());
+  });
+}
+
+// QSGD's residual once the step is kept: each entry of the leaves plus the old residual
+// (the buffer, read a block at a time before it is written) less its level (int8, the
+// payload) times its block's step (the norm over the levels, as the JAX route decodes
+// it), over the buffer in place.
+JAXCOMP_WIDE void QsgdResidualBlocks(const std::vector<const float*>& leaves,
+                                     const std::vector<int64_t>& offsets, float* residual,
+                                     const int8_t* payload, const float* steps, int64_t block,
+                                     int64_t first, int64_t last) {
+  const int64_t n = offsets.back();
+  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
+  std::vector<float> tile(per_tile * block);
+  for (int64_t b = first; b < last; b += per_tile) {
+    const int64_t begin = b * block, end = std::min(n, std::min(last, b + per_tile) * block);
+    if (begin >= end) break;
+    CorrectedSpan(leaves, offsets, residual, tile.data(), begin, begin, end);
+    for (int64_t i = begin; i < end; ++i) {
+      residual[i] = tile[i - begin] - steps[i / block] * static_cast<float>(payload[i]);
+    }
+  }
+}
+
+ffi::Error QsgdResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::U8> payload,
+                            ffi::Buffer<ffi::F32> steps, ffi::RemainingArgs leaves, int64_t block,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  std::vector<const float*> data;
+  std::vector<int64_t> offsets;
+  if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
+  const int64_t n = offsets.back();
+  const int64_t m = static_cast<int64_t>(steps.element_count());
+  if (block < 1 || m * block < n || static_cast<int64_t>(payload.element_count()) < n ||
+      static_cast<int64_t>(buffer.element_count()) != n || out->element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "the buffer (the output) as long as the leaves, a level for each of their entries"
+        " and a step a block");
+  }
+  float* result = out->typed_data();
+  const int8_t* levels = reinterpret_cast<const int8_t*>(payload.typed_data());
+  return Guarded("jaxcomp_qsgd_residual", [&] {
+    if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
+    InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
+      QsgdResidualBlocks(data, offsets, result, levels, steps.typed_data(), block, first, last);
+    });
   });
 }
 
@@ -2146,4 +2254,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompIntegerResidual, IntegerResidualImpl,
                                   .RemainingArgs()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("bits")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("block")
+                                  .Attr<float>("levels")
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdResidual, QsgdResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("block")
                                   .Ret<ffi::Buffer<ffi::F32>>());
