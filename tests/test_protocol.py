@@ -346,7 +346,8 @@ def test_runs_are_checked():
     harness.one_step_of_normal_gradients(protocol.compressor(method()), RUN_PARAMS, 0)
 
 
-def test_leaves_prepared_stand_in_for_the_residual_s_addition_only_with_error_feedback():
+def test_leaves_prepared_only_where_the_payload_carries_nonfinite_values():
+  # The step may read the leaves itself: no fused gradient is there to test.
   leaves_prepared = lambda ctx, leaves, s: (None, None)  # noqa: E731
 
   def method(**fields):
@@ -355,11 +356,14 @@ def test_leaves_prepared_stand_in_for_the_residual_s_addition_only_with_error_fe
         step=lambda ctx, c, s: protocol.Output(mean=c), wire=lambda b, s, t: (),
         prepare_leaves=leaves_prepared, **fields)
 
-  for fields in (dict(), dict(prepare=lambda ctx, g, s: (g, None))):
-    with pytest.raises(ValueError, match="`prepare_leaves` stands in for error feedback's"):
+  for fields in (dict(), dict(error_feedback=True, prepare=lambda ctx, g, s: (g, None))):
+    with pytest.raises(ValueError, match="`prepare_leaves` needs `payload_carries_nonfinite`"):
       protocol.compressor(method(**fields))
-  # With runs (the low-rank methods'): a bucket it leaves alone is cut into them.
-  protocol.compressor(method(error_feedback=True, runs=lambda bucket: (len(bucket.leaves),)))
+  # Without error feedback (QSGD's), and with runs (the low-rank methods': a bucket it
+  # leaves alone is cut into them).
+  protocol.compressor(method(payload_carries_nonfinite=True))
+  protocol.compressor(method(error_feedback=True, payload_carries_nonfinite=True,
+                             runs=lambda bucket: (len(bucket.leaves),)))
 
 
 def _reads_of_old_residual(tx) -> int:

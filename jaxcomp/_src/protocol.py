@@ -492,14 +492,16 @@ class Method:
       correction); ``prepared``: ``f32[bucket.size]``, to which the residual
       is added.
     prepare_leaves: ``prepare_leaves(ctx, leaves, state) -> (corrected, carry)``:
-      ``prepare`` (where there is one) and error feedback's addition together,
+      the fusion of the leaves, ``prepare`` (where there is one) and error
+      feedback's addition (where there is) together,
       from the bucket's leaves where they lie, where the native custom calls
       sum the bucket (:func:`_native_sum`; no fused copy of the leaves first);
       ``corrected`` is what ``step`` receives in place of the corrected
       gradient: that gradient, or as much of it as the step reads (``None``
       where the step forms what it needs from the leaves in the carry). It
       may return ``None`` for a bucket it leaves alone, which is then
-      prepared as without it (in ``runs`` where the method has them).
+      prepared as without it (in ``runs`` where the method has them). Only
+      with ``payload_carries_nonfinite``: no fused gradient is tested.
       ``None``: ``prepare`` and the addition always.
     seed: the initial seed of the ``rng_key`` field, split every step
       (``ctx.key`` is this step's draw); ``None``: no key, or one the method
@@ -786,9 +788,10 @@ def compressor(method: Method) -> optax.GradientTransformation:
   if method.runs is not None and (method.prepare is not None or method.flat_length is not None):
     raise ValueError(f"method {method.name!r} cuts its bucket into `runs`, which takes"
                      " neither `prepare` nor `flat_length`")
-  if method.prepare_leaves is not None and not method.error_feedback:
-    raise ValueError(f"method {method.name!r}: `prepare_leaves` stands in for error"
-                     " feedback's addition (and `prepare`)")
+  if method.prepare_leaves is not None and not method.payload_carries_nonfinite:
+    raise ValueError(f"method {method.name!r}: `prepare_leaves` needs"
+                     " `payload_carries_nonfinite` (its step may read the leaves itself: no"
+                     " fused gradient is there to test)")
 
   # The fields sized by the bucket: the residual and the method's own.
   sized = (("residual",) if method.error_feedback else ()) + tuple(method.bucket_fields)
