@@ -1606,6 +1606,48 @@ def test_the_qsgd_encode_call_s_levels_are_the_levels_call_s_of_its_norms(fill, 
 
 
 @harness.needs_native
+@pytest.mark.parametrize("fill", ["normal", "huge", "not_finite"])
+@pytest.mark.parametrize("sizes", [(40, 7, 3), (1_000_003, 1_097_149)])  # one thread, two
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_the_qsgd_calls_from_the_leaves_give_the_encoding_of_their_sum(fill, sizes,
+                                                                       error_feedback):
+  """The encoding of the leaves plus the residual, a few blocks at a time: the bits of
+  the encoding call on their sum (padded with a whole block and more of zeros), also
+  where a block's squares overflow (the sum formed whole, the norms taken again) and
+  where a block holds NaN and infinities; the residual, the sum less each level times
+  its block's step, in two roundings."""
+  rng = np.random.default_rng(4)
+  leaves = [rng.standard_normal(size).astype(np.float32) for size in sizes]
+  n = sum(sizes)
+  residual = rng.standard_normal(n).astype(np.float32) if error_feedback else None
+  if fill == "huge":
+    leaves[0][5] = np.float32(3e38)
+  elif fill == "not_finite":
+    leaves[0][5], leaves[-1][-1] = np.nan, -np.inf
+  block = 32
+  length = (-(-n // block) + 2) * block
+  words = (jnp.uint32(0x1234), jnp.uint32(0xABCD))
+  got = jax.jit(lambda ls, e: native.qsgd_encode_leaves(ls, e, length, block, 8, words))(
+      leaves, residual)
+  corrected = _fused_sum(leaves, residual, length)
+  want = jax.jit(lambda x: native.qsgd_encode(x, block, 8, words))(corrected)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits_any_nan(g) if g.dtype == jnp.float32 else g,
+                                  _bits_any_nan(w) if w.dtype == jnp.float32 else w)
+  if not error_feedback:
+    return
+  levels, norms = np.asarray(got[0]), np.asarray(got[1])
+  steps = np.asarray(jax.jit(lambda v: v / 8)(got[1]))
+  kept = jax.jit(lambda b, l, t, ls: native.qsgd_residual(b, l, t, ls, block))(
+      jnp.asarray(residual), got[0], steps, leaves)
+  with np.errstate(invalid="ignore", over="ignore"):
+    decoded = _flushed(np.repeat(steps, block) * levels.astype(np.float32))
+    want_kept = _flushed(corrected - decoded)[:n]
+  np.testing.assert_array_equal(_bits_any_nan(kept), _bits_any_nan(want_kept))
+  assert np.isfinite(norms).all() == (fill != "not_finite")
+
+
+@harness.needs_native
 def test_the_qsgd_levels_call_refuses_what_does_not_fit_by_name():
   words = (jnp.uint32(1), jnp.uint32(2))
   with pytest.raises(ValueError, match="`x` must be f32 of whole blocks"):
@@ -1618,3 +1660,10 @@ def test_the_qsgd_levels_call_refuses_what_does_not_fit_by_name():
     native.qsgd_encode(jnp.ones(6), 4, 8, words)
   with pytest.raises(ValueError, match="`levels`"):
     native.qsgd_encode(jnp.ones(8), 4, 128, words)
+  leaves = [jnp.ones(5), jnp.ones(3)]
+  with pytest.raises(ValueError, match="`length` 10 must be whole blocks of 4"):
+    native.qsgd_encode_leaves(leaves, None, 10, 4, 8, words)
+  with pytest.raises(ValueError, match="`residual` must be f32\\[8\\]"):
+    native.qsgd_encode_leaves(leaves, jnp.ones(7), 8, 4, 8, words)
+  with pytest.raises(ValueError, match="`steps` one per block of 4"):
+    native.qsgd_residual(jnp.ones(8), jnp.ones(8, jnp.int8), jnp.ones(1), leaves, 4)

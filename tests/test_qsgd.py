@@ -281,9 +281,9 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, monkeypatch):
   """The native route against JAX's over two steps on 8 devices: a bucket's first-hop
-  norms from the corrected gradient's call where it sums the bucket (else, a leaf of
-  its own, from the call that encodes it), its second hop's from the call that encodes
-  the chunk of the mean, and no branch of
+  norms from the call that encodes the leaves (and the residual) where it sums the
+  bucket (else, a leaf of its own, from the call that encodes it), its second hop's
+  from the call that encodes the chunk of the mean, and no branch of
   the norms; the means, the norms (the step's scales) and the residuals agree to
   rounding. The calls sum the squares in their own order, so a norm may move by an
   ulp or two (which moves a level only where a draw lies that close to its
@@ -297,13 +297,13 @@ def test_the_norms_calls_agree_with_jax_s_route(bucket_cap_mb, error_feedback, m
         lambda axis: jaxcomp.qsgd(LEVELS, axis, bucket_size=64, error_feedback=error_feedback,
                                   bucket_cap_mb=bucket_cap_mb), _TWELVE, 8, ("data",))
     text = runs["compiled"].as_text()
-    calls = (text.count('custom_call_target="jaxcomp_corrected"'),
-             text.count('custom_call_target="jaxcomp_qsgd_encode"'))
+    calls = tuple(text.count(f'custom_call_target="jaxcomp_{target}"') for target in (
+        "corrected", "qsgd_encode", "qsgd_encode_leaves", "qsgd_residual"))
     return calls, text.count(" conditional("), runs["outs"], runs["rows"]
 
   calls, branches, *by_call = run(True)
-  assert calls == (summed, 2 * buckets - summed)
+  assert calls == (0, 2 * buckets - summed, summed, summed * int(error_feedback))
   xla_calls, xla_branches, *by_xla = run(False)
-  assert xla_calls == (0, 0)
+  assert xla_calls == (0, 0, 0, 0)
   assert xla_branches - branches == 2 * buckets  # the norms' branch on each hop
   chex.assert_trees_all_close(by_call, by_xla, rtol=1e-6, atol=1e-6)

@@ -129,8 +129,9 @@ def test_bad_arguments(kwargs, error, name):
 @pytest.mark.parametrize("factory, payloads", [
     (lambda: jaxcomp.quantized(8, "data"), 0),
     # QSGD's first hop all-gathers its payload on one device (two_hop.mean): that one,
-    # a bitcast's fusion, or on the native route the levels' call that writes it.
-    (lambda: jaxcomp.qsgd(8, "data", error_feedback=True), 1),
+    # a bitcast's fusion where XLA encodes it (the call that encodes it on the native
+    # route writes it with the norms).
+    (lambda: jaxcomp.qsgd(8, "data", error_feedback=True), 0),
 ])
 def test_error_feedback_reads_the_old_residual_once(factory, payloads):
   """The old residual is read by one kernel, the error feedback's addition: the new

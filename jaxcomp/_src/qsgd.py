@@ -12,6 +12,7 @@ import optax
 from jaxcomp._src import binade
 from jaxcomp._src import checks
 from jaxcomp._src import draws
+from jaxcomp._src import fusion
 from jaxcomp._src import native
 from jaxcomp._src import protocol
 from jaxcomp._src import selection
@@ -192,7 +193,11 @@ def qsgd(
   The rounding draws differ per device and per hop (the step's key, stream
   ``2 d + h`` for device ``d`` and hop ``h``), so the noise averages out
   across devices. Error feedback keeps what this device's own quantization
-  dropped, ``c - Q(c)``.
+  dropped, ``c - Q(c)``. On CPU the first encoding is one custom call that
+  reads the leaves (and the residual) where they lie
+  (:func:`jaxcomp._src.native.qsgd_encode_leaves`, the JAX route's levels and,
+  to rounding, its norms), and so is the residual
+  (:func:`jaxcomp._src.native.qsgd_residual`): ``c`` is never written.
 
   Args:
     levels: ``s``, the number of quantization levels, an int in [1, 127].
@@ -237,14 +242,34 @@ def qsgd(
   seed = checks.check_seed(seed)
   bucket_cap_mb = checks.check_bucket_cap_mb(bucket_cap_mb)
 
+  def prepare_leaves(ctx, leaves, state):
+    """Where the native custom calls sum the bucket, nothing is formed before the step:
+    its first encoding reads the leaves (the carry) and the residual where they lie
+    (:func:`jaxcomp._src.native.qsgd_encode_leaves`, which takes the norms too: only
+    where :func:`_native_norms` holds), and so does the residual once the step is kept
+    (:func:`jaxcomp._src.native.qsgd_residual`)."""
+    del ctx, state
+    return (None, leaves) if _native_norms() else None
+
   def step(ctx, corrected, state):
-    del state
     block, chunk = two_hop.chunking(ctx.bucket.size, ctx.num_devices, bucket_size)
     device = lax.axis_index(axes[0] if len(axes) == 1 else axes)
+    codec = _codec(levels, block, ctx.key, device)
+    leaves = ctx.carry
+    if leaves is not None:
+      level, norms, _ = native.qsgd_encode_leaves(
+          leaves, state.residual if error_feedback else None, ctx.num_devices * chunk, block,
+          levels, draws.words(ctx.key, 2 * device))
+      mean, _, scales = two_hop.mean(
+          ctx, None, codec, block, chunk,
+          encoded=(lax.bitcast_convert_type(level, jnp.uint8), norms))
+      # Each block's step as decode takes it: the norm over the levels.
+      residual = fusion.Rewrite(lambda old: native.qsgd_residual(
+          old, level, norms / levels, leaves, block))
+      return protocol.Output(mean=mean, residual=residual, witness=scales)
     # The blocks' norms and inverses, where the corrected gradient's pass took them.
     known = ctx.blocks if _native_norms() else None
-    mean, residual, scales = two_hop.mean(
-        ctx, corrected, _codec(levels, block, ctx.key, device), block, chunk, known)
+    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk, known)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
 
   def block_length(bucket, devices):
@@ -261,5 +286,5 @@ def qsgd(
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
       flat_length=two_hop.flat_length(bucket_size),
       blocks=protocol.Blocks(block_length, norms=True), error_feedback=error_feedback, seed=seed,
-      payload_carries_nonfinite=True,
+      prepare_leaves=prepare_leaves, payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))
