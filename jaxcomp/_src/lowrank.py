@@ -22,8 +22,9 @@ bucket, not a few per group. The products and the residual then read the leaves 
 the residual where they lie and form each corrected row in cache
 (:class:`Corrected`): the corrected gradient is never written, ACP-SGD reads it
 twice (its product, then its residual) and PowerSGD three times (ResNet-50 at rank
-4 on a 2-core Intel Xeon: ACP-SGD 5.2 passes and 37 ms, PowerSGD 7.2 and 54, against
-7.2 and 68, 8.2 and 78 with the corrected gradient written first).
+4 on a 2-core Intel Xeon: ACP-SGD 5.2 passes and 0.43x dense's time, PowerSGD 7.2 and
+0.64x, against 7.2 and 0.72x, 8.2 and 0.83x with the corrected gradient written
+first).
 
 Both methods give a finite, correct mean whenever its rank-one terms fit in
 f32, for gradients near 1e38 as near 1e-30. A factor enters a product with the
