@@ -1693,6 +1693,28 @@ ffi::Error DctResidualImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32>
 
 // ------------------------------------------------------------------- integer codes
 
+// Blocks [first, last) of `block` entries of the leaves plus the residual (where given)
+// end to end, then zeros, a tile of about 4,096 entries at a time formed in cache
+// (CorrectedSpan's sums, nothing of n entries written): `each(c, entries, count)` for
+// each block c, `count` of its entries (the block, or its part before `limit`). The
+// residual may be what `each` writes over: a tile is formed before any of it is.
+template <typename Each>
+void OverCorrectedBlocks(const std::vector<const float*>& leaves,
+                         const std::vector<int64_t>& offsets, const float* residual,
+                         int64_t block, int64_t first, int64_t last, int64_t limit, Each each) {
+  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
+  std::vector<float> tile(per_tile * block);
+  for (int64_t b = first; b < last; b += per_tile) {
+    const int64_t begin = b * block;
+    const int64_t end = std::min(limit, std::min(last, b + per_tile) * block);
+    if (begin >= end) break;
+    CorrectedSpan(leaves, offsets, residual, tile.data(), begin, begin, end);
+    for (int64_t c = b; c * block < end; ++c) {
+      each(c, tile.data() + (c - b) * block, std::min(block, end - c * block));
+    }
+  }
+}
+
 // jaxcomp/_src/quantized.py's level of x in a block whose scale s has the f32 inverse
 // `inverse` = 1 / s (s = 0 taken as 1), as XLA:CPU divides by s: the nearest integer
 // of x times it (ties to even), clipped to [-top, top] (top: 127 or 7); NaN as 0, as
@@ -1703,44 +1725,41 @@ inline float IntegerLevel(float x, float inverse, float top) {
   return level != level ? 0.0f : std::min(top, std::max(-top, level)) + 0.0f;
 }
 
-// Blocks [first, last) of `block` entries of the leaves plus the residual end to end
-// (then zeros), a tile at a time in `tile` (CorrectedSpan's sums): each block's scale,
-// its largest magnitude (NaN as inf) times the f32 reciprocal of `top`, as XLA:CPU
-// takes jaxcomp/_src/quantized.py's division by the constant; and its levels as
-// bytes: 8 bits one int8 each, 4 bits two a byte (l + 8, the first in the low nibble).
-JAXCOMP_WIDE void IntegerBlocks(const std::vector<const float*>& leaves,
-                                const std::vector<int64_t>& offsets, const float* residual,
-                                int64_t block, int64_t bits, int64_t first, int64_t last,
-                                float* scales, uint8_t* payload) {
+// One block of the integer codes (`count` entries at x): its scale, its largest
+// magnitude (NaN as inf) times the f32 reciprocal of `top`, as XLA:CPU takes
+// jaxcomp/_src/quantized.py's division by the constant; and its levels as bytes at
+// `bytes`: 8 bits one int8 each, 4 bits two a byte (l + 8, the first in the low nibble).
+JAXCOMP_WIDE float IntegerBlock(const float* x, int64_t count, int64_t bits, uint8_t* bytes) {
   const float top = bits == 8 ? 127.0f : 7.0f;
-  const float reciprocal = 1.0f / top;
-  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
-  std::vector<float> tile(per_tile * block), levels(block);
-  for (int64_t b = first; b < last; b += per_tile) {
-    const int64_t stop = std::min(last, b + per_tile);
-    CorrectedSpan(leaves, offsets, residual, tile.data(), b * block, b * block, stop * block);
-    for (int64_t c = b; c < stop; ++c) {
-      const float* x = tile.data() + (c - b) * block;
-      const int32_t largest = LargestKey(x, block);
-      float magnitude;
-      std::memcpy(&magnitude, &largest, sizeof(magnitude));
-      scales[c] = magnitude * reciprocal;
-      const float inverse = 1.0f / Divisor(scales[c]);
-      for (int64_t j = 0; j < block; ++j) levels[j] = IntegerLevel(x[j], inverse, top);
-      if (bits == 8) {
-        int8_t* bytes = reinterpret_cast<int8_t*>(payload) + c * block;
-        for (int64_t j = 0; j < block; ++j) bytes[j] = static_cast<int8_t>(levels[j]);
-      } else {
-        uint8_t* bytes = payload + c * block / 2;
-        for (int64_t j = 0; j < block / 2; ++j) {
-          bytes[j] = static_cast<uint8_t>(static_cast<int32_t>(levels[2 * j]) + 8) |
-                     static_cast<uint8_t>((static_cast<int32_t>(levels[2 * j + 1]) + 8) << 4);
-        }
-      }
+  const int32_t largest = LargestKey(x, count);
+  float magnitude;
+  std::memcpy(&magnitude, &largest, sizeof(magnitude));
+  const float scale = magnitude * (1.0f / top);
+  const float inverse = 1.0f / Divisor(scale);
+  if (bits == 8) {
+    for (int64_t j = 0; j < count; ++j) {
+      bytes[j] = static_cast<uint8_t>(static_cast<int8_t>(IntegerLevel(x[j], inverse, top)));
+    }
+  } else {
+    for (int64_t j = 0; j < count / 2; ++j) {
+      const int32_t low = static_cast<int32_t>(IntegerLevel(x[2 * j], inverse, top)) + 8;
+      const int32_t high = static_cast<int32_t>(IntegerLevel(x[2 * j + 1], inverse, top)) + 8;
+      bytes[j] = static_cast<uint8_t>(low | (high << 4));
     }
   }
+  return scale;
 }
 
+// c - s l of `count` entries at x (the corrected gradient) of a block of scale s
+// (IntegerBlock's levels), at `written`: two roundings.
+JAXCOMP_WIDE void IntegerResidualBlock(const float* x, int64_t count, float scale, float top,
+                                       float* written) {
+  const float inverse = 1.0f / Divisor(scale);
+  for (int64_t j = 0; j < count; ++j) written[j] = x[j] - scale * IntegerLevel(x[j], inverse, top);
+}
+
+// The integer codes' first encoding (IntegerBlock's) of the leaves plus the residual
+// end to end, then zeros, a few blocks at a time in cache.
 ffi::Error IntegerEncodeImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
                              int64_t block, int64_t bits, ffi::ResultBuffer<ffi::U8> payload,
                              ffi::ResultBuffer<ffi::F32> scales) {
@@ -1759,40 +1778,18 @@ ffi::Error IntegerEncodeImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs 
   const float* add = given == 0 ? nullptr : residual.typed_data();
   return Guarded("jaxcomp_integer_encode", [&] {
     InHalves(count, count * block, [&](int64_t first, int64_t last) {
-      IntegerBlocks(data, offsets, add, block, bits, first, last, scales->typed_data(),
-                    payload->typed_data());
+      OverCorrectedBlocks(data, offsets, add, block, first, last, last * block,
+                          [&](int64_t c, const float* x, int64_t entries) {
+                            scales->typed_data()[c] = IntegerBlock(
+                                x, entries, bits, payload->typed_data() + c * block * bits / 8);
+                          });
     });
   });
 }
 
 // Error feedback's residual of the integer codes once the step is kept: each entry of
-// the leaves plus the old residual (the buffer, read a block at a time before it is
-// written), less its level times its block's scale (IntegerBlocks' levels), over the
-// buffer in place.
-JAXCOMP_WIDE void IntegerResidualBlocks(const std::vector<const float*>& leaves,
-                                        const std::vector<int64_t>& offsets, float* residual,
-                                        const float* scales, int64_t block, float top,
-                                        int64_t first, int64_t last) {
-  const int64_t n = offsets.back();
-  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
-  std::vector<float> tile(per_tile * block);
-  for (int64_t b = first; b < last; b += per_tile) {
-    const int64_t begin = b * block, end = std::min(n, std::min(last, b + per_tile) * block);
-    if (begin >= end) break;
-    CorrectedSpan(leaves, offsets, residual, tile.data(), begin, begin, end);
-    for (int64_t c = b; c * block < end; ++c) {
-      const float scale = scales[c];
-      const float inverse = 1.0f / Divisor(scale);
-      const float* x = tile.data() + (c - b) * block;
-      float* written = residual + c * block;
-      const int64_t entries = std::min(block, end - c * block);
-      for (int64_t j = 0; j < entries; ++j) {
-        written[j] = x[j] - scale * IntegerLevel(x[j], inverse, top);
-      }
-    }
-  }
-}
-
+// the leaves plus the old residual (the buffer) less its level times its block's scale
+// (IntegerResidualBlock), over the buffer in place.
 ffi::Error IntegerResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F32> scales,
                                ffi::RemainingArgs leaves, int64_t block, int64_t bits,
                                ffi::ResultBuffer<ffi::F32> out) {
@@ -1810,10 +1807,13 @@ ffi::Error IntegerResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
   float* result = out->typed_data();
   return Guarded("jaxcomp_integer_residual", [&] {
     if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
-    const int64_t used = (n + block - 1) / block;
-    InHalves(used, n, [&](int64_t first, int64_t last) {
-      IntegerResidualBlocks(data, offsets, result, scales.typed_data(), block,
-                            bits == 8 ? 127.0f : 7.0f, first, last);
+    const float top = bits == 8 ? 127.0f : 7.0f;
+    InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
+      OverCorrectedBlocks(data, offsets, result, block, first, last, n,
+                          [&](int64_t c, const float* x, int64_t entries) {
+                            IntegerResidualBlock(x, entries, scales.typed_data()[c], top,
+                                                 result + c * block);
+                          });
     });
   });
 }
@@ -1895,19 +1895,15 @@ void QsgdEncodeLeaves(const std::vector<const float*>& leaves, const std::vector
                       const float* residual, int64_t block, int64_t m, float levels, uint32_t w0,
                       uint32_t w1, float* norms, float* inverses, uint8_t* out) {
   InHalves(m, m * block, [&](int64_t first, int64_t last) {
-    const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
-    std::vector<float> tile(per_tile * block);
-    for (int64_t b = first; b < last; b += per_tile) {
-      const int64_t stop = std::min(last, b + per_tile);
-      CorrectedSpan(leaves, offsets, residual, tile.data(), b * block, b * block, stop * block);
-      for (int64_t c = b; c < stop; ++c) {
-        norms[c] = std::sqrt(SumOfSquares(tile.data() + (c - b) * block, block, 1.0f));
-        inverses[c] = NormInverse(norms[c]);
-        if (std::isfinite(norms[c])) {
-          QsgdLevels(tile.data(), norms, inverses, block, c, c + 1, levels, w0, w1, out, b);
-        }
-      }
-    }
+    OverCorrectedBlocks(leaves, offsets, residual, block, first, last, last * block,
+                        [&](int64_t c, const float* x, int64_t entries) {
+                          norms[c] = std::sqrt(SumOfSquares(x, entries, 1.0f));
+                          inverses[c] = NormInverse(norms[c]);
+                          if (std::isfinite(norms[c])) {
+                            QsgdLevels(x, norms, inverses, block, c, c + 1, levels, w0, w1,
+                                       out, c);
+                          }
+                        });
   });
   bool finite = true;
   for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
@@ -1943,24 +1939,11 @@ ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi:
 }
 
 // QSGD's residual once the step is kept: each entry of the leaves plus the old residual
-// (the buffer, read a block at a time before it is written) less its level (int8, the
-// payload) times its block's step (the norm over the levels, as the JAX route decodes
-// it), over the buffer in place.
-JAXCOMP_WIDE void QsgdResidualBlocks(const std::vector<const float*>& leaves,
-                                     const std::vector<int64_t>& offsets, float* residual,
-                                     const int8_t* payload, const float* steps, int64_t block,
-                                     int64_t first, int64_t last) {
-  const int64_t n = offsets.back();
-  const int64_t per_tile = std::max<int64_t>(1, 4096 / block);
-  std::vector<float> tile(per_tile * block);
-  for (int64_t b = first; b < last; b += per_tile) {
-    const int64_t begin = b * block, end = std::min(n, std::min(last, b + per_tile) * block);
-    if (begin >= end) break;
-    CorrectedSpan(leaves, offsets, residual, tile.data(), begin, begin, end);
-    for (int64_t i = begin; i < end; ++i) {
-      residual[i] = tile[i - begin] - steps[i / block] * static_cast<float>(payload[i]);
-    }
-  }
+// (the buffer) less its level (int8, the payload) times its block's step (the norm over
+// the levels, as the JAX route decodes it), over the buffer in place: two roundings.
+JAXCOMP_WIDE void QsgdResidualBlock(const float* x, int64_t count, float step,
+                                    const int8_t* levels, float* written) {
+  for (int64_t j = 0; j < count; ++j) written[j] = x[j] - step * static_cast<float>(levels[j]);
 }
 
 ffi::Error QsgdResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::U8> payload,
@@ -1982,7 +1965,11 @@ ffi::Error QsgdResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::U8> p
   return Guarded("jaxcomp_qsgd_residual", [&] {
     if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
     InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
-      QsgdResidualBlocks(data, offsets, result, levels, steps.typed_data(), block, first, last);
+      OverCorrectedBlocks(data, offsets, result, block, first, last, n,
+                          [&](int64_t c, const float* x, int64_t entries) {
+                            QsgdResidualBlock(x, entries, steps.typed_data()[c],
+                                              levels + c * block, result + c * block);
+                          });
     });
   });
 }
