@@ -377,15 +377,13 @@ def test_the_corrected_call_gives_the_fused_sum_s_bits(case, with_residual, padd
 
 
 @harness.needs_native
-@pytest.mark.parametrize("sizes, padding, parts, block", [
-    ((700_000, 5, 700_001), 0, None, None),  # the halves meet inside the 5-entry leaf
-    ((600_000, 600_000), 0, None, None),  # at a boundary between leaves
-    ((1_100_000,), 1_300_000, None, None),  # inside the zeros
-    ((600_000, 600_000), 10, (300_000, 600_005, 300_005), None),  # inside a part
-    # Between whole blocks of 64 (700,032: inside the third leaf), maxima taken too.
-    ((700_000, 5, 700_001), 58, None, 64),
+@pytest.mark.parametrize("sizes, padding, parts", [
+    ((700_000, 5, 700_001), 0, None),  # the halves meet inside the 5-entry leaf
+    ((600_000, 600_000), 0, None),  # at a boundary between leaves
+    ((1_100_000,), 1_300_000, None),  # inside the zeros
+    ((600_000, 600_000), 10, (300_000, 600_005, 300_005)),  # inside a part
 ])
-def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts, block):
+def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts):
   # Above 2**20 entries the call splits its output in two halves, one per thread.
   rng = np.random.default_rng(7)
   leaves = [rng.standard_normal(size).astype(np.float32) for size in sizes]
@@ -395,35 +393,12 @@ def test_the_corrected_call_s_two_threads_meet_exactly(sizes, padding, parts, bl
   # A subnormal plus 0 is flushed to 0, in either half.
   residual[np.concatenate(leaves) == np.float32(1e-39)] = 0.0
   length = sum(sizes) + padding
-  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts, block=block))(
+  by_call = jax.jit(lambda ls, r: native.corrected(ls, r, length, parts=parts))(
       leaves, residual)
   if parts is not None:
     by_call = jnp.concatenate(by_call)
   expected = _fused_sum(leaves, residual, length)
-  if block is not None:
-    by_call, maxima = by_call
-    by_jax = jax.jit(lambda x: selection.max_magnitude(x.reshape(-1, block)))(expected)
-    np.testing.assert_array_equal(np.asarray(maxima), np.asarray(by_jax))
   np.testing.assert_array_equal(np.asarray(by_call).view(np.uint32), expected.view(np.uint32))
-
-
-@harness.needs_native
-@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(1, 9), st.integers(0, 2))
-def test_the_corrected_call_s_block_maxima_are_max_magnitude_s_bits(
-    case, with_residual, block, extra):
-  # NaN counted as inf, ties, zeros of both signs; blocks in the zero tail too.
-  leaves, residual = case
-  residual = residual if with_residual else None
-  n = sum(leaf.size for leaf in leaves)
-  length = (-(-n // block) + extra) * block
-  hypothesis.assume(length > 0)
-  total, maxima = jax.jit(lambda ls, r: native.corrected(ls, r, length, block=block))(
-      leaves, residual)
-  expected = _fused_sum(leaves, residual, length)
-  np.testing.assert_array_equal(np.asarray(total).view(np.uint32), expected.view(np.uint32))
-  by_jax = jax.jit(lambda x: selection.max_magnitude(x.reshape(-1, block)))(expected)
-  np.testing.assert_array_equal(np.asarray(maxima).view(np.uint32),
-                                np.asarray(by_jax).view(np.uint32))
 
 
 @harness.needs_native
@@ -438,10 +413,6 @@ def test_the_corrected_call_refuses_what_it_cannot_sum_by_name():
     native.corrected([jnp.ones(3)], None, 5, parts=(2, 2))
   with pytest.raises(ValueError, match="`parts`"):
     native.corrected([jnp.ones(3)], None, parts=(4, -1))
-  with pytest.raises(ValueError, match="`block`"):
-    native.corrected([jnp.ones(3)], None, 5, block=2)
-  with pytest.raises(ValueError, match="`block`"):
-    native.corrected([jnp.ones(3)], None, parts=(2, 2), block=2)
 
 
 # Twelve leaves: more than XLA:CPU fuses into a concatenation's reader. With
@@ -453,9 +424,7 @@ _TWELVE = {f"w{i:02d}": jnp.zeros((20, 30)) for i in range(12)}
 @harness.needs_native
 @pytest.mark.parametrize("name, config", [
     ("topk", dict(density=0.05)), ("signsgd", {}),
-    # The blocks' maxima from the call (4 bits: blocks of an even length); with error
-    # feedback the integer codes take calls of their own (below).
-    ("quantized", dict(bits=4, error_feedback=False)),
+    # (The integer codes take calls of their own, below.)
     ("sparseloco", dict(density=0.01, chunk_size=256)),
     # Without error feedback (the leaves copied, padded), and DGC's momentum first.
     ("qsgd", dict(levels=8)), ("dgc", dict(density=0.05)),
@@ -527,28 +496,26 @@ def test_the_integer_calls_give_the_jax_route_s_mean_and_its_residual_to_a_round
 @harness.needs_native
 @pytest.mark.parametrize("native_route", [True, False])
 @pytest.mark.parametrize("error_feedback", [True, False])
-def test_the_integer_codes_take_their_first_hop_or_scales_from_a_call_where_it_runs(
+def test_the_integer_codes_take_their_first_hop_from_a_call_where_it_runs(
     native_route, error_feedback, monkeypatch):
-  # With error feedback the first hop is the encoding call's (from the leaves and the
-  # residual); without it, the scales are the corrected call's, taken in its pass.
+  # The first hop is the encoding call's (from the leaves, and the residual with error
+  # feedback), whose residual is a call too.
   monkeypatch.setitem(selection._BY_BACKEND, "cpu", selection.Tuning(native=native_route))
   given = []
   mean = two_hop.mean
 
   def recorded(*args, **kwargs):
-    scales = args[5] if len(args) > 5 else kwargs.get("scales")
-    given.append((scales is not None, kwargs.get("encoded") is not None))
+    given.append(kwargs.get("encoded") is not None)
     return mean(*args, **kwargs)
 
   monkeypatch.setattr(two_hop, "mean", recorded)
   runs = harness.run_two_steps(
       lambda axis: jaxcomp.quantized(8, axis, error_feedback=error_feedback), _TWELVE, 8,
       ("data",))
-  want = (native_route and not error_feedback, native_route and error_feedback)
-  assert given and all(g == want for g in given)
+  assert given and all(g == native_route for g in given)
   text = runs["compiled"].as_text()
-  assert ("jaxcomp_integer_encode" in text) == want[1]
-  assert ("jaxcomp_integer_residual" in text) == want[1]
+  assert ("jaxcomp_integer_encode" in text) == native_route
+  assert ("jaxcomp_integer_residual" in text) == (native_route and error_feedback)
 
 
 @harness.needs_native
@@ -1118,22 +1085,6 @@ def test_the_encode_call_s_norms_follow_their_stated_steps(case):
 
 
 @harness.needs_native
-@hypothesis.given(_leaf_sets(), st.booleans(), st.integers(1, 9), st.integers(0, 2))
-def test_the_corrected_call_s_block_norms_are_the_encode_call_s_of_its_sum(
-    case, with_residual, block, extra):
-  leaves, residual = case
-  residual = residual if with_residual else None
-  length = (-(-sum(leaf.size for leaf in leaves) // block) + extra) * block
-  hypothesis.assume(length > 0)
-  total, norms, inverses = jax.jit(
-      lambda ls, r: native.corrected(ls, r, length, block=block, norms=True))(leaves, residual)
-  np.testing.assert_array_equal(np.asarray(total).view(np.uint32),
-                                _fused_sum(leaves, residual, length).view(np.uint32))
-  by_call = jax.jit(lambda x: _encoded_norms(x, block))(total)
-  chex.assert_trees_all_equal((norms, inverses), by_call)
-
-
-@harness.needs_native
 def test_the_block_norms_of_two_threads_meet_exactly():
   # 2.4M entries: two threads, each half's plain norms, then (one block of 1e37) every
   # block's scaled norm, again on two threads.
@@ -1144,8 +1095,6 @@ def test_the_block_norms_of_two_threads_meet_exactly():
     got = jax.jit(lambda x: _encoded_norms(x, 512))(x)
     for got_part, want_part in zip(got, _norms_reference(x, 512)):
       np.testing.assert_array_equal(np.asarray(got_part).view(np.uint32), want_part.view(np.uint32))
-    total, *figures = jax.jit(lambda x: native.corrected([x], None, block=512, norms=True))(x)
-    chex.assert_trees_all_equal(tuple(figures), got)
 
 
 @harness.needs_native
@@ -1157,8 +1106,6 @@ def test_the_block_norms_calls_refuse_what_is_not_whole_blocks_by_name():
     native.qsgd_encode(jnp.ones(8, jnp.bfloat16), 4, 8, words)
   with pytest.raises(ValueError, match="`block`"):
     native.qsgd_encode(jnp.ones(8), 0, 8, words)
-  with pytest.raises(ValueError, match="`norms` needs a `block`"):
-    native.corrected([jnp.ones(8)], None, norms=True)
 
 
 def _momentum_corrected_by_jax(leaves, momentum, residual, head, coefficient, nesterov):

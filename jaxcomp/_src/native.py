@@ -17,13 +17,13 @@ kernels a bucket in JAX), for error feedback's packed mask of what was sent
 (:func:`sent_mask`: four kernels of a scatter in JAX) and for its corrected gradient
 (:func:`corrected`: the leaves and the residual read once, where XLA:CPU
 copies the concatenation of more than 8 leaves into a buffer of its own and
-reads it back, and fuses fewer into a loop that can be 100 times slower; the
-integer codes' block maxima taken in the same pass), and for
+reads it back, and fuses fewer into a loop that can be 100 times slower), and for
 PowerSGD's and ACP-SGD's products, factor columns and residual
 (:func:`lowrank_product`, :func:`factor_columns`, :func:`lowrank_residual`: one
 call a bucket each, where XLA:CPU makes a few kernels per group of equal-shaped
 matrices; not XLA's order of sums, so those two routes agree to rounding, not
-bit for bit), and for a sparsifier's mean, written into its bucket's leaves
+bit for bit; from the leaves and the residual where they lie, no corrected
+gradient written), and for a sparsifier's mean, written into its bucket's leaves
 (:func:`densify_leaves`: one kernel that writes each leaf once, where XLA:CPU
 writes the whole vector's zeros, scatters into it and copies each leaf out), for
 DGC's momentum correction (:func:`momentum_corrected`: the leaves read where they
@@ -31,12 +31,14 @@ lie, no fused copy of them first), for DeMo's transform and selection of each
 chunk (:func:`dct_topk`: Lee's fast DCT of a few chunks at a time in cache, none of
 the corrected gradient written, where XLA:CPU wrote it and multiplied each chunk by
 the DCT's matrix; to rounding, as the low-rank products) and its residual
-(:func:`dct_residual`), and for QSGD's levels and the norms of its blocks
+(:func:`dct_residual`), for QSGD's levels and the norms of its blocks
 (:func:`qsgd_levels`, :func:`qsgd_encode`: its draws and rounding on two threads,
-where XLA:CPU's fusion ran on one; the norms also taken by the corrected gradient's
-call in its own
-pass: one kernel where XLA:CPU made five and a branch per hop and bucket; its
-squares summed in a fixed order, not XLA's, so the routes agree to rounding).
+where XLA:CPU's fusion ran on one; the norms in the same pass: one kernel where
+XLA:CPU made five and a branch per hop and bucket; its squares summed in a fixed
+order, not XLA's, so the routes agree to rounding), and for the first encoding and
+the residual of QSGD and of the integer codes (:func:`qsgd_encode_leaves`,
+:func:`qsgd_residual`, :func:`integer_encode`, :func:`integer_residual`: from the
+leaves and the residual where they lie, a few blocks at a time in cache).
 Paired in one process on 2 cores of an AMD EPYC, the call against the JAX
 route: the exact top-k of ResNet-50's 25.6M
 entries at density 0.001 in 8.1-8.7 ms against 21-22, of a 25 MiB bucket of
@@ -372,8 +374,7 @@ def _f32_leaves(leaves) -> tuple[list, int]:
 
 
 def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int] = None,
-              *, parts: Optional[Sequence[int]] = None, block: Optional[int] = None,
-              norms: bool = False):
+              *, parts: Optional[Sequence[int]] = None):
   """Error feedback's corrected gradient by the custom call (CPU only): the
   :func:`jaxcomp._src.protocol` route's bits, in one pass over the leaves.
 
@@ -386,21 +387,13 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
       ``parts``).
     parts: static sizes of consecutive outputs, summing to ``length``
       (a method's runs, :attr:`jaxcomp.protocol.Method.runs`); ``None``: one.
-    block: static, a divisor of ``length`` (not with ``parts``): also each
-      block's largest magnitude, taken from the sum while it is in cache.
-    norms: with ``block``, each block's norm and its inverse (:func:`qsgd_encode`'s)
-      instead of its largest magnitude.
 
   Returns:
     ``f32[length]`` (``parts``: a tuple of ``f32[size]`` that lie end to end
     in it): the leaves raveled end to end, plus ``residual`` element by
     element (one f32 addition each, in the caller's floating-point
     environment, which the call's second thread inherits: XLA:CPU's, which
-    flushes subnormals, as its own addition does), then zeros. With
-    ``block``, ``(sum, maxima)``: ``maxima`` ``f32[length / block]``, each
-    block's :func:`jaxcomp._src.selection.max_magnitude` (NaN as ``inf``),
-    bit for bit; with ``norms``, ``(sum, norms, inverses)``, :func:`qsgd_encode`'s
-    of the sum.
+    flushes subnormals, as its own addition does), then zeros.
 
   Raises:
     RuntimeError: the custom call is not :func:`available`.
@@ -413,25 +406,15 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
       raise ValueError(f"`parts` {parts} must sum to `length` {length}")
     length = sum(parts)
   length = n if length is None else checks.check_number(length, "length", integer=True, low=n)
-  if block is not None:
-    block = checks.check_number(block, "block", integer=True, low=1)
-    if parts is not None or length % block:
-      raise ValueError(f"`block` {block} must divide `length` {length}, with no `parts`")
-  elif checks.check_bool(norms, "norms"):
-    raise ValueError("`norms` needs a `block`")
   if residual is None:
     residual = jnp.zeros((0,), jnp.float32)
   elif residual.shape != (n,) or residual.dtype != jnp.float32:
     raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
                      f" {residual.dtype}{list(residual.shape)}")
-  figures = 0 if block is None else 2 if norms else 1
-  sizes = ((length,) if parts is None else parts) + (length // (block or 1),) * figures
+  sizes = (length,) if parts is None else parts
   out = jax.ffi.ffi_call(
       "jaxcomp_corrected", tuple(jax.ShapeDtypeStruct((size,), jnp.float32) for size in sizes),
-      vmap_method="sequential")(residual, *leaves, block=np.int64(block or 0),
-                                norms=np.int64(figures == 2))
-  if block is not None:
-    return tuple(out)
+      vmap_method="sequential")(residual, *leaves)
   return out[0] if parts is None else tuple(out)
 
 
@@ -795,7 +778,7 @@ def _integer_inputs(leaves, block, bits: int) -> tuple[list, int, int, int]:
   return leaves, n, block, bits
 
 
-def integer_encode(leaves, residual: jax.Array, length: int, block: int,
+def integer_encode(leaves, residual: Optional[jax.Array], length: int, block: int,
                    bits: int) -> tuple[jax.Array, jax.Array]:
   """:func:`jaxcomp._src.quantized.encode` of the leaves plus ``residual`` (padded with zeros
   to ``length``) by the custom call (CPU only), a few blocks at a time in cache: the
@@ -803,7 +786,7 @@ def integer_encode(leaves, residual: jax.Array, length: int, block: int,
 
   Args:
     leaves: f32 arrays of any shapes, ``n`` entries together, read where they lie.
-    residual: ``f32[n]``, added to them entry by entry.
+    residual: ``f32[n]``, added to them entry by entry; ``None``: none.
     length: static, a multiple of ``block`` of at least ``n``.
     block: static, entries per scale (even with 4 bits).
     bits: static, 8 or 4.
@@ -821,7 +804,9 @@ def integer_encode(leaves, residual: jax.Array, length: int, block: int,
   length = checks.check_number(length, "length", integer=True, low=max(n, 1))
   if length % block:
     raise ValueError(f"`length` {length} must be whole blocks of {block}")
-  if residual.shape != (n,) or residual.dtype != jnp.float32:
+  if residual is None:
+    residual = jnp.zeros((0,), jnp.float32)
+  elif residual.shape != (n,) or residual.dtype != jnp.float32:
     raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
                      f" {residual.dtype}{list(residual.shape)}")
   return jax.ffi.ffi_call(

@@ -104,13 +104,6 @@ class Context:
       (``update``'s ``compressor_form`` argument), else an int32 scalar
       computed from ``count`` (the same on every device). :meth:`switch`
       branches on it.
-    blocks: for a method with :attr:`Method.blocks`, each block's figures of
-      the corrected gradient where the native call formed them, f32
-      ``[length / block]`` each: ``(maxima,)``, the largest ``|entry|``
-      (NaN counted as ``inf``, :func:`jaxcomp._src.selection.max_magnitude`'s
-      bits), or with :attr:`Blocks.norms` ``(norms, inverses)``
-      (:func:`jaxcomp._src.native.qsgd_encode`'s); else ``None`` (the method
-      takes them itself).
   """
 
   bucket: fusion.Bucket
@@ -122,7 +115,6 @@ class Context:
   finite: Optional[jax.Array] = None
   after: Optional[jax.Array] = None
   form: Any = None
-  blocks: Optional[tuple[jax.Array, ...]] = None
 
   @property
   def num_devices(self) -> int:
@@ -344,21 +336,6 @@ class Output(NamedTuple):
   joint: Optional[Joint] = None
 
 
-class Blocks(NamedTuple):
-  """A codec's blocks, whose figures the native corrected call takes in its pass
-  (:attr:`Method.blocks`).
-
-  Attributes:
-    length: ``length(bucket, P) -> int``, a block length that divides the fused
-      gradient's.
-    norms: ``False``: each block's largest magnitude; ``True``: its norm and
-      that norm's inverse (:func:`jaxcomp._src.native.qsgd_encode`'s, QSGD's).
-  """
-
-  length: Callable[[fusion.Bucket, int], int]
-  norms: bool = False
-
-
 @dataclasses.dataclass(frozen=True)
 class Message:
   """A mean that has a compact form: a low-rank method's factors, far smaller than the mean.
@@ -532,10 +509,6 @@ class Method:
       bucket of few leaves is padded in the addition instead,
       :func:`_corrected`); ``None``: ``bucket.size``. The residual stays
       ``f32[bucket.size]``, and the mean too.
-    blocks: a codec's :class:`Blocks`: where the native custom call forms the
-      corrected gradient (:func:`_corrected`), it also takes each block's
-      figures in the same pass (:attr:`Context.blocks`, a codec's scales
-      without a read of their own); ``None``: none.
     message: the compact form of the mean, when there is one
       (:class:`Message`); ``step`` then returns it in :attr:`Output.message`.
     bucket_order: ``None`` (reverse tree order) or the tree positions of the
@@ -590,7 +563,6 @@ class Method:
   propagates_nonfinite: bool = False
   payload_carries_nonfinite: bool = False
   flat_length: Optional[Callable[[fusion.Bucket, int], int]] = None
-  blocks: Optional[Blocks] = None
   message: Optional[Message] = None
   bucket_cap_mb: Optional[float] = None
   bucket_fields: tuple[str, ...] = ()
@@ -855,11 +827,6 @@ def compressor(method: Method) -> optax.GradientTransformation:
       ctx = dataclasses.replace(ctx, carry=carry)
       if method.error_feedback:
         corrected = corrected + jnp.pad(state.residual, (0, length - bucket.size))
-    elif method.blocks is not None and _native_sum(bucket, leaves_apart):
-      corrected, *figures = native.corrected(
-          _bucket_leaves(bucket, updates), state.residual if method.error_feedback else None,
-          length, block=method.blocks.length(bucket, ctx.num_devices), norms=method.blocks.norms)
-      ctx = dataclasses.replace(ctx, blocks=tuple(figures))
     elif method.error_feedback:
       corrected = _corrected(bucket, updates, state.residual, length, leaves_apart)
     else:

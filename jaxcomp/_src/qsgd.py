@@ -267,13 +267,8 @@ def qsgd(
       residual = fusion.Rewrite(lambda old: native.qsgd_residual(
           old, level, norms / levels, leaves, block))
       return protocol.Output(mean=mean, residual=residual, witness=scales)
-    # The blocks' norms and inverses, where the corrected gradient's pass took them.
-    known = ctx.blocks if _native_norms() else None
-    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk, known)
+    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
-
-  def block_length(bucket, devices):
-    return two_hop.chunking(bucket.size, devices, bucket_size)[0]
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -285,6 +280,6 @@ def qsgd(
                   error_feedback=error_feedback, seed=seed, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QSGDState, step=step, wire=wire_cost,
       flat_length=two_hop.flat_length(bucket_size),
-      blocks=protocol.Blocks(block_length, norms=True), error_feedback=error_feedback, seed=seed,
+      error_feedback=error_feedback, seed=seed,
       prepare_leaves=prepare_leaves, payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

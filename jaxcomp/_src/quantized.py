@@ -126,9 +126,8 @@ def quantized(
   it in f32, encodes the chunk of the mean again, and an all-gather brings it
   to every device. Rounding is to the nearest, the same on every device;
   error feedback (the default) keeps what this device's own rounding
-  dropped, ``c - Q(c)``. On CPU, with error feedback, the first encoding
-  and the residual are custom calls that read the leaves and the residual
-  where they lie (:func:`jaxcomp._src.native.integer_encode`, the JAX route's
+  dropped, ``c - Q(c)``. On CPU the first encoding and the residual are
+  custom calls that read the leaves (and the residual) where they lie (:func:`jaxcomp._src.native.integer_encode`, the JAX route's
   bytes and scales; :func:`jaxcomp._src.native.integer_residual`, to a
   rounding of ``s l``, which XLA may fuse into one): ``c`` is never written.
   This is the quantized all-reduce of torchft's
@@ -190,18 +189,14 @@ def quantized(
     codec = _codec(bits, block)
     leaves = ctx.carry
     if leaves is not None:
-      first = native.integer_encode(leaves, state.residual, ctx.num_devices * chunk, block, bits)
+      first = native.integer_encode(leaves, state.residual if error_feedback else None,
+                                    ctx.num_devices * chunk, block, bits)
       mean, _, scales = two_hop.mean(ctx, None, codec, block, chunk, encoded=first)
       residual = fusion.Rewrite(
           lambda old: native.integer_residual(old, first[1], leaves, block, bits))
       return protocol.Output(mean=mean, residual=residual, witness=scales)
-    # The blocks' largest magnitudes, where the corrected gradient's pass took them.
-    scales = None if ctx.blocks is None else ctx.blocks[0] / _top(bits)
-    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk, scales)
+    mean, residual, scales = two_hop.mean(ctx, corrected, codec, block, chunk)
     return protocol.Output(mean=mean, residual=residual, witness=scales)
-
-  def block_length(bucket, devices):
-    return two_hop.chunking(bucket.size, devices, block_size, multiple)[0]
 
   def wire_cost(bucket, sizes, steps):
     del steps
@@ -212,7 +207,7 @@ def quantized(
       config=dict(bits=bits, axis_name=axis_name, block_size=block_size,
                   error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb),
       axes=axes, state=QuantizedState, step=step, wire=wire_cost,
-      flat_length=two_hop.flat_length(block_size, multiple), blocks=protocol.Blocks(block_length),
-      error_feedback=error_feedback, prepare_leaves=prepare_leaves if error_feedback else None,
+      flat_length=two_hop.flat_length(block_size, multiple),
+      error_feedback=error_feedback, prepare_leaves=prepare_leaves,
       payload_carries_nonfinite=True,
       bucket_cap_mb=bucket_cap_mb))

@@ -35,9 +35,7 @@
 // _corrected, the same bits): the leaves (any number of f32 arrays) end to end,
 // plus the residual element by element where one is given, then zeros to the
 // output's length; the output is one array, or several that lie end to end (a
-// method's runs); with `block`, also each block's largest magnitude (NaN as inf),
-// or with `norms` each block's norm and its inverse as JaxcompQsgdEncode gives them,
-// taken from the sum while it is in cache. One pass that reads each leaf where it
+// method's runs). One pass that reads each leaf where it
 // lies, on two threads, where XLA:CPU copies a concatenation of more than 8 arrays
 // into a buffer of its own and reads it back for the addition (and fuses fewer into
 // a loop that can be 100 times slower). The second thread
@@ -730,15 +728,6 @@ void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* 
   for (int64_t b = 0; b < m; ++b) inverses[b] = NormInverse(norms[b]);
 }
 
-// Block b's largest magnitude key (NaN as inf) of out[b * block, (b + 1) * block),
-// as the f32 whose bits it is, for the blocks from `first` to `last` - 1.
-void BlockMaxima(const float* out, int64_t block, int64_t first, int64_t last, float* maxima) {
-  for (int64_t b = first; b < last; ++b) {
-    const int32_t top = LargestKey(out + b * block, block);
-    std::memcpy(maxima + b, &top, sizeof(top));
-  }
-}
-
 // Each f32 leaf's data into `data`, and where each starts when they lie end to end into
 // `offsets` (from 0, then their total).
 ffi::Error LeafData(ffi::RemainingArgs& leaves, std::vector<const float*>* data,
@@ -754,21 +743,15 @@ ffi::Error LeafData(ffi::RemainingArgs& leaves, std::vector<const float*>* data,
 }
 
 ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leaves,
-                         int64_t block, int64_t norms, ffi::RemainingRets results) {
+                         ffi::RemainingRets results) {
   std::vector<const float*> data;
   std::vector<int64_t> offsets;
   if (ffi::Error error = LeafData(leaves, &data, &offsets); error.failure()) return error;
-  // The output is the parts end to end; with `block`, the blocks' figures follow them:
-  // their maxima, or with `norms` their norms, then those norms' inverses.
-  const size_t figures = block > 0 ? (norms ? 2 : 1) : 0;
-  if (block > 0 && results.size() != 1 + figures) {
-    return ffi::Error::InvalidArgument(
-        "the blocks' figures need one output, then the maxima, or the norms and inverses");
-  }
-  const size_t count = results.size() - figures;
+  // The output is the parts end to end.
+  const size_t count = results.size();
   std::vector<float*> out;
   std::vector<int64_t> starts = {0};
-  for (size_t j = 0; j < results.size(); ++j) {
+  for (size_t j = 0; j < count; ++j) {
     auto result = results.get<ffi::Buffer<ffi::F32>>(j);
     if (!result.has_value()) return result.error();
     out.push_back((*result)->typed_data());
@@ -781,42 +764,14 @@ ffi::Error CorrectedImpl(ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs leav
     return ffi::Error::InvalidArgument(
         "the outputs must hold the leaves, and the residual be as long as they are or empty");
   }
-  if (block > 0) {
-    bool fits = length % block == 0;
-    for (size_t j = 1; j <= figures; ++j) fits = fits && starts[j + 1] - starts[j] == length / block;
-    if (!fits) {
-      return ffi::Error::InvalidArgument(
-          "the blocks' figures need one output of whole blocks, then one figure per block");
-    }
-  }
   const float* add = given == 0 ? nullptr : residual.typed_data();
-  // Positions [begin, end) of the output, part by part.
-  auto fill = [&](int64_t begin, int64_t end) {
-    OverParts(starts, count, begin, end, [&](size_t j, int64_t from, int64_t to) {
-      CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
-    });
-  };
-  // With the blocks' figures: whole blocks at a time, each tile's maxima or plain norms
-  // taken while it is still in cache (about 4,096 entries a tile).
-  auto fill_blocks = [&](int64_t first, int64_t last) {
-    const int64_t tile = std::max<int64_t>(1, 4096 / block);
-    for (int64_t b = first; b < last; b += tile) {
-      const int64_t stop = std::min(last, b + tile);
-      fill(b * block, stop * block);
-      if (norms) {
-        PlainNorms(out[0], block, b, stop, out[1]);
-      } else {
-        BlockMaxima(out[0], block, b, stop, out[1]);
-      }
-    }
-  };
   return Guarded("jaxcomp_corrected", [&] {
-    if (block > 0) {
-      InHalves(length / block, length, fill_blocks);
-      if (norms) FinishNorms(out[0], block, length / block, out[1], out[2]);
-    } else {
-      InHalves(length, length, fill);
-    }
+    // Positions [begin, end) of the output, part by part.
+    InHalves(length, length, [&](int64_t begin, int64_t end) {
+      OverParts(starts, count, begin, end, [&](size_t j, int64_t from, int64_t to) {
+        CorrectedSpan(data, offsets, add, out[j], starts[j], from, to);
+      });
+    });
   });
 }
 
@@ -2102,8 +2057,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCorrected, CorrectedImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("norms")
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMomentumCorrected, MomentumCorrectedImpl,

@@ -94,8 +94,7 @@ def flat_length(block_size: int, multiple: int = 1) -> Callable:
                                                     multiple)[1]
 
 
-def mean(ctx, corrected: Optional[jax.Array], codec: Codec, block: int, chunk: int,
-         scales: Optional[jax.Array] = None, *,
+def mean(ctx, corrected: Optional[jax.Array], codec: Codec, block: int, chunk: int, *,
          encoded: Optional[tuple[jax.Array, jax.Array]] = None
          ) -> tuple[jax.Array, Callable[[], jax.Array], jax.Array]:
   """``(mean, residual, scales)``: the two-hop mean, f32 ``[n]``; ``residual()``,
@@ -116,18 +115,16 @@ def mean(ctx, corrected: Optional[jax.Array], codec: Codec, block: int, chunk: i
   scales the scales by ``1/P`` and poisons them where this device's input
   is not finite), its bucket of ``n`` entries; ``corrected``: f32 ``[P C]``,
   the bucket, then zeros (:func:`flat_length`); ``(block, chunk)`` from
-  :func:`chunking`; ``scales``: ``corrected``'s, where already known, in the
-  form the codec's ``encode`` takes them (QSGD's: with their inverses), which
-  then computes the payload alone. ``encoded``: ``(payload, scales)`` of the
-  first hop where already encoded (``corrected`` then ``None``, and
-  ``residual`` the caller's to form).
+  :func:`chunking`; ``encoded``: ``(payload, scales)`` of the first hop where
+  already encoded (the native calls that read the leaves where they lie:
+  ``corrected`` then ``None``, and ``residual`` the caller's to form).
   """
   n, devices = ctx.bucket.size, ctx.num_devices
   if encoded is None and corrected.shape[0] != devices * chunk:
     raise ValueError(f"`corrected` must hold P C = {devices * chunk} entries (the bucket"
                      f" padded by `flat_length`), got {corrected.shape[0]}")
   payload_bytes = codec.payload_bytes(chunk)
-  payload, scales = codec.encode(corrected, 0, scales) if encoded is None else encoded
+  payload, scales = codec.encode(corrected, 0) if encoded is None else encoded
   payload_rows, sent_scales = payload.reshape(devices, -1), ctx.send(scales).reshape(devices, -1)
   if devices == 1 and codec.draws:
     # XLA drops an all-to-all of one device, then fuses the encoding into both
