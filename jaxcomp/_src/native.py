@@ -373,6 +373,25 @@ def _f32_leaves(leaves) -> tuple[list, int]:
   return leaves, sum(leaf.size for leaf in leaves)
 
 
+def _residual_operand(residual: Optional[jax.Array], n: int) -> jax.Array:
+  """``residual`` checked to be ``f32[n]`` (the leaves' entries), or ``f32[0]`` for ``None``:
+  the calls' operand, none added where it is empty."""
+  if residual is None:
+    return jnp.zeros((0,), jnp.float32)
+  if residual.shape != (n,) or residual.dtype != jnp.float32:
+    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
+                     f" {residual.dtype}{list(residual.shape)}")
+  return residual
+
+
+def _whole_blocks(length, block: int, n: int) -> int:
+  """``length`` checked to hold the ``n`` entries (at least one) in whole blocks."""
+  length = checks.check_number(length, "length", integer=True, low=max(n, 1))
+  if length % block:
+    raise ValueError(f"`length` {length} must be whole blocks of {block}")
+  return length
+
+
 def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int] = None,
               *, parts: Optional[Sequence[int]] = None):
   """Error feedback's corrected gradient by the custom call (CPU only): the
@@ -406,11 +425,7 @@ def corrected(leaves, residual: Optional[jax.Array] = None, length: Optional[int
       raise ValueError(f"`parts` {parts} must sum to `length` {length}")
     length = sum(parts)
   length = n if length is None else checks.check_number(length, "length", integer=True, low=n)
-  if residual is None:
-    residual = jnp.zeros((0,), jnp.float32)
-  elif residual.shape != (n,) or residual.dtype != jnp.float32:
-    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
-                     f" {residual.dtype}{list(residual.shape)}")
+  residual = _residual_operand(residual, n)
   sizes = (length,) if parts is None else parts
   out = jax.ffi.ffi_call(
       "jaxcomp_corrected", tuple(jax.ShapeDtypeStruct((size,), jnp.float32) for size in sizes),
@@ -722,14 +737,7 @@ def qsgd_encode_leaves(leaves, residual: Optional[jax.Array], length: int, block
   leaves, n = _f32_leaves(leaves)
   block = checks.check_number(block, "block", integer=True, low=1)
   levels = checks.check_number(levels, "levels", integer=True, low=1, high=127)
-  length = checks.check_number(length, "length", integer=True, low=max(n, 1))
-  if length % block:
-    raise ValueError(f"`length` {length} must be whole blocks of {block}")
-  if residual is None:
-    residual = jnp.zeros((0,), jnp.float32)
-  elif residual.shape != (n,) or residual.dtype != jnp.float32:
-    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
-                     f" {residual.dtype}{list(residual.shape)}")
+  length, residual = _whole_blocks(length, block, n), _residual_operand(residual, n)
   rows = jax.ShapeDtypeStruct((length // block,), jnp.float32)
   word_pair = jnp.stack([jnp.asarray(w, jnp.uint32) for w in words])
   payload, norms, inverses = jax.ffi.ffi_call(
@@ -801,14 +809,7 @@ def integer_encode(leaves, residual: Optional[jax.Array], length: int, block: in
     RuntimeError: the custom call is not :func:`available`.
   """
   leaves, n, block, bits = _integer_inputs(leaves, block, bits)
-  length = checks.check_number(length, "length", integer=True, low=max(n, 1))
-  if length % block:
-    raise ValueError(f"`length` {length} must be whole blocks of {block}")
-  if residual is None:
-    residual = jnp.zeros((0,), jnp.float32)
-  elif residual.shape != (n,) or residual.dtype != jnp.float32:
-    raise ValueError(f"`residual` must be f32[{n}], the leaves' entries, got"
-                     f" {residual.dtype}{list(residual.shape)}")
+  length, residual = _whole_blocks(length, block, n), _residual_operand(residual, n)
   return jax.ffi.ffi_call(
       "jaxcomp_integer_encode",
       (jax.ShapeDtypeStruct((length * bits // 8,), jnp.uint8),
