@@ -611,7 +611,7 @@ def test_the_calls_reading_the_leaves_give_the_bits_of_the_corrected_runs(name, 
   """Two steps on 8 devices with the products and the residual formed from the leaves
   and the residual where they lie, and with error feedback's runs written first: the
   same sums of the same entries, so the same means and states bit for bit; the first
-  writes no corrected gradient (no `jaxcomp_corrected` call, no n-sized fresh buffer)."""
+  writes no corrected gradient (no `jaxcomp_corrected` call)."""
   factory = getattr(lowrank, name)
 
   def run():

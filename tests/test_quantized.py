@@ -134,7 +134,8 @@ def test_bad_arguments(kwargs, error, name):
     (lambda: jaxcomp.qsgd(8, "data", error_feedback=True), 0),
 ])
 def test_error_feedback_reads_the_old_residual_once(factory, payloads):
-  """The old residual is read by one kernel, the error feedback's addition: the new
+  """The old residual is read by one kernel outside the branch that keeps the step (the
+  call that encodes the leaves on the native route, else error feedback's addition): the new
   one is formed from the corrected gradient and the scales inside the branch that
   keeps the step, not chosen between old and new after it (a second pass over the
   old one), nor decoded from a payload written out before it for that."""

@@ -127,9 +127,10 @@ def quantized(
   to every device. Rounding is to the nearest, the same on every device;
   error feedback (the default) keeps what this device's own rounding
   dropped, ``c - Q(c)``. On CPU the first encoding and the residual are
-  custom calls that read the leaves (and the residual) where they lie (:func:`jaxcomp._src.native.integer_encode`, the JAX route's
-  bytes and scales; :func:`jaxcomp._src.native.integer_residual`, to a
-  rounding of ``s l``, which XLA may fuse into one): ``c`` is never written.
+  custom calls that read the leaves (and the residual) where they lie
+  (:func:`jaxcomp._src.native.integer_encode`, the JAX route's bytes and
+  scales; :func:`jaxcomp._src.native.integer_residual`, to a rounding of
+  ``s l``, which XLA may fuse into one): ``c`` is never written.
   This is the quantized all-reduce of torchft's
   DiLoCo (FP8 rows there) and of INTELLECT-1's int8 pseudo-gradients, and
   Streaming DiLoCo's 4-bit outer gradients.
