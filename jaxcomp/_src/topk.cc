@@ -714,20 +714,6 @@ inline float NormInverse(float norm) {
   return 1.0f / (divisor * UnitFactor(MagnitudeKey(divisor)));
 }
 
-// Given the plain norms of the m blocks at x: where any is not finite, every block's
-// scaled norm instead (jaxcomp/_src/qsgd.py's _norms takes one route for all); then
-// each norm's inverse (NormInverse).
-void FinishNorms(const float* x, int64_t block, int64_t m, float* norms, float* inverses) {
-  bool finite = true;
-  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
-  if (!finite) {
-    InHalves(m, m * block, [&](int64_t first, int64_t last) {
-      ScaledNorms(x, block, first, last, norms);
-    });
-  }
-  for (int64_t b = 0; b < m; ++b) inverses[b] = NormInverse(norms[b]);
-}
-
 // Each f32 leaf's data into `data`, and where each starts when they lie end to end into
 // `offsets` (from 0, then their total).
 ffi::Error LeafData(ffi::RemainingArgs& leaves, std::vector<const float*>* data,
@@ -1149,45 +1135,38 @@ void AsRows(const float* f, int64_t n, int64_t r, float* rows) {
   }
 }
 
-// The matrices' entries of a flat (count, rows, cols) attribute (0 where it is not
-// whole triples).
-int64_t MatrixEntries(ffi::Span<const int64_t> groups_attr) {
-  int64_t size = 0;
-  for (const Group& group : Groups(groups_attr)) size += group.count * group.rows * group.cols;
-  return size;
-}
-
 ffi::Error LowrankProductImpl(ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32> dense,
                               ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs runs,
                               ffi::Span<const int64_t> groups_attr, ffi::Span<const float> scales,
                               int64_t r, int64_t transposed, int64_t unit,
                               ffi::ResultBuffer<ffi::F32> out) {
-  // With a residual, the runs are the leaves, each corrected by its span of it.
-  const bool corrects = residual.element_count() > 0;
-  if (corrects && static_cast<int64_t>(residual.element_count()) < MatrixEntries(groups_attr)) {
-    return ffi::Error::InvalidArgument("the residual must hold at least the matrices' entries");
-  }
+  // With a residual, the runs are the leaves, each corrected by its span of it (read
+  // only once the sizes are checked).
+  const int64_t given = static_cast<int64_t>(residual.element_count());
   std::vector<Leaf> leaves;
-  if (ffi::Error error = RunMatrices(groups_attr, runs, r, corrects,
-                                     corrects ? residual.typed_data() : nullptr, &leaves);
+  if (ffi::Error error = RunMatrices(groups_attr, runs, r, given > 0,
+                                     given > 0 ? residual.typed_data() : nullptr, &leaves);
       error.failure()) {
     return error;
   }
-  int64_t in_size = 0, out_size = 0;
+  int64_t in_size = 0, out_size = 0, entries = 0;
   for (Leaf& leaf : leaves) {
     leaf.in = in_size;
     leaf.out = out_size;
     in_size += (transposed ? leaf.rows : leaf.cols) * r;
     out_size += (transposed ? leaf.cols : leaf.rows) * r;
+    entries += leaf.rows * leaf.cols;
   }
   const int64_t count = static_cast<int64_t>(leaves.size());
   const int64_t dense_size = static_cast<int64_t>(dense.element_count());
   if (static_cast<int64_t>(factor.element_count()) != in_size ||
       static_cast<int64_t>(scales.size()) != count ||
-      static_cast<int64_t>(out->element_count()) != out_size + dense_size) {
+      static_cast<int64_t>(out->element_count()) != out_size + dense_size ||
+      (given > 0 && given < entries)) {
     return ffi::Error::InvalidArgument(
-        "the factor, the scales (one per matrix) and the output (the products, then the dense"
-        " entries) must fit the groups");
+        "the factor, the scales (one per matrix), the output (the products, then the dense"
+        " entries) and the residual (none, or at least the matrices' entries) must fit the"
+        " groups");
   }
   const float* f = factor.typed_data();
   float* result = out->typed_data();
@@ -1670,6 +1649,26 @@ void OverCorrectedBlocks(const std::vector<const float*>& leaves,
   }
 }
 
+// The integer codes' largest level, 2^(bits - 1) - 1: 127 for 8 bits, 7 for 4.
+inline float IntegerTop(int64_t bits) { return bits == 8 ? 127.0f : 7.0f; }
+
+// Error feedback's residual written block by block over `result` (the output, which
+// XLA aliases with `old`, the old residual of the n entries: copied first where it does
+// not): the leaves plus the old residual formed a tile at a time (OverCorrectedBlocks),
+// then `each(c, x, count, written)` writes block c's `count` entries from x's.
+template <typename Each>
+void ResidualBlocks(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
+                    const float* old, float* result, int64_t block, Each each) {
+  const int64_t n = offsets.back();
+  if (result != old) std::memcpy(result, old, n * sizeof(float));
+  InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
+    OverCorrectedBlocks(leaves, offsets, result, block, first, last, n,
+                        [&](int64_t c, const float* x, int64_t count) {
+                          each(c, x, count, result + c * block);
+                        });
+  });
+}
+
 // jaxcomp/_src/quantized.py's level of x in a block whose scale s has the f32 inverse
 // `inverse` = 1 / s (s = 0 taken as 1), as XLA:CPU divides by s: the nearest integer
 // of x times it (ties to even), clipped to [-top, top] (top: 127 or 7); NaN as 0, as
@@ -1685,7 +1684,7 @@ inline float IntegerLevel(float x, float inverse, float top) {
 // jaxcomp/_src/quantized.py's division by the constant; and its levels as bytes at
 // `bytes`: 8 bits one int8 each, 4 bits two a byte (l + 8, the first in the low nibble).
 JAXCOMP_WIDE float IntegerBlock(const float* x, int64_t count, int64_t bits, uint8_t* bytes) {
-  const float top = bits == 8 ? 127.0f : 7.0f;
+  const float top = IntegerTop(bits);
   const int32_t largest = LargestKey(x, count);
   float magnitude;
   std::memcpy(&magnitude, &largest, sizeof(magnitude));
@@ -1759,17 +1758,12 @@ ffi::Error IntegerResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::F3
         "8 or 4 bits, the buffer (the output) as long as the leaves, and the scales' blocks"
         " holding them");
   }
-  float* result = out->typed_data();
   return Guarded("jaxcomp_integer_residual", [&] {
-    if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
-    const float top = bits == 8 ? 127.0f : 7.0f;
-    InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
-      OverCorrectedBlocks(data, offsets, result, block, first, last, n,
-                          [&](int64_t c, const float* x, int64_t entries) {
-                            IntegerResidualBlock(x, entries, scales.typed_data()[c], top,
-                                                 result + c * block);
-                          });
-    });
+    ResidualBlocks(data, offsets, buffer.typed_data(), out->typed_data(), block,
+                   [&](int64_t c, const float* x, int64_t count, float* written) {
+                     IntegerResidualBlock(x, count, scales.typed_data()[c], IntegerTop(bits),
+                                          written);
+                   });
   });
 }
 
@@ -1817,55 +1811,69 @@ JAXCOMP_WIDE void QsgdLevels(const float* x, const float* norms, const float* in
   }
 }
 
-// QSGD's encoding of x (m blocks): each block's plain norm (PlainNorms), its inverse
-// (NormInverse) and its levels (QsgdLevels), in one pass that takes the levels of a
-// block while it is in cache; where any block's squares overflow, every block's norm
-// is taken again as FinishNorms takes it, and every block's levels after it.
-void QsgdEncode(const float* x, int64_t block, int64_t m, float levels, uint32_t w0,
-                uint32_t w1, float* norms, float* inverses, uint8_t* out) {
-  InHalves(m, m * block, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      PlainNorms(x, block, b, b + 1, norms);
-      inverses[b] = NormInverse(norms[b]);
-      if (std::isfinite(norms[b])) {
-        QsgdLevels(x, norms, inverses, block, b, b + 1, levels, w0, w1, out);
-      }
-    }
-  });
+// Block b of QSGD's encoding, its `block` entries at x + (b - x_first) block: its plain
+// norm (PlainNorms), that norm's inverse (NormInverse) and, where the norm is finite,
+// its levels (QsgdLevels), while the block is in cache.
+void QsgdBlock(const float* x, int64_t block, int64_t b, int64_t x_first, float levels,
+               uint32_t w0, uint32_t w1, float* norms, float* inverses, uint8_t* out) {
+  PlainNorms(x + (b - x_first) * block, block, 0, 1, norms + b);
+  inverses[b] = NormInverse(norms[b]);
+  if (std::isfinite(norms[b])) {
+    QsgdLevels(x, norms, inverses, block, b, b + 1, levels, w0, w1, out, x_first);
+  }
+}
+
+// Whether each of the m values is finite.
+bool AllFinite(const float* values, int64_t m) {
   bool finite = true;
-  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
-  if (finite) return;
-  FinishNorms(x, block, m, norms, inverses);
+  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(values[b]);
+  return finite;
+}
+
+// QSGD's encoding of the m blocks of x where some block's squares overflowed (its plain
+// norm is not finite): every block's scaled norm instead (ScaledNorms:
+// jaxcomp/_src/qsgd.py's _norms takes one route for all), each norm's inverse
+// (NormInverse), and every block's levels after them.
+void QsgdEncodeScaled(const float* x, int64_t block, int64_t m, float levels, uint32_t w0,
+                      uint32_t w1, float* norms, float* inverses, uint8_t* out) {
+  InHalves(m, m * block, [&](int64_t first, int64_t last) {
+    ScaledNorms(x, block, first, last, norms);
+  });
+  for (int64_t b = 0; b < m; ++b) inverses[b] = NormInverse(norms[b]);
   InHalves(m, m * block, [&](int64_t first, int64_t last) {
     QsgdLevels(x, norms, inverses, block, first, last, levels, w0, w1, out);
   });
 }
 
+// QSGD's encoding of x (m blocks): each block's norm, inverse and levels in one pass
+// (QsgdBlock); where any block's squares overflow, QsgdEncodeScaled.
+void QsgdEncode(const float* x, int64_t block, int64_t m, float levels, uint32_t w0,
+                uint32_t w1, float* norms, float* inverses, uint8_t* out) {
+  InHalves(m, m * block, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      QsgdBlock(x, block, b, 0, levels, w0, w1, norms, inverses, out);
+    }
+  });
+  if (!AllFinite(norms, m)) QsgdEncodeScaled(x, block, m, levels, w0, w1, norms, inverses, out);
+}
+
 // QsgdEncode of the leaves (plus the residual, where given) end to end, then zeros (m
-// blocks), a few
-// blocks at a time formed in a tile (CorrectedSpan's sums): nothing of n entries is
-// written, where no block's squares overflow; where one does, the sum is formed whole
-// and QsgdEncode takes it.
+// blocks), a few blocks at a time formed in a tile (OverCorrectedBlocks): nothing of n
+// entries is written, where no block's squares overflow; where one does, the sum is
+// formed whole for QsgdEncodeScaled.
 void QsgdEncodeLeaves(const std::vector<const float*>& leaves, const std::vector<int64_t>& offsets,
                       const float* residual, int64_t block, int64_t m, float levels, uint32_t w0,
                       uint32_t w1, float* norms, float* inverses, uint8_t* out) {
   InHalves(m, m * block, [&](int64_t first, int64_t last) {
     OverCorrectedBlocks(leaves, offsets, residual, block, first, last, last * block,
-                        [&](int64_t c, const float* x, int64_t entries) {
-                          norms[c] = std::sqrt(SumOfSquares(x, entries, 1.0f));
-                          inverses[c] = NormInverse(norms[c]);
-                          if (std::isfinite(norms[c])) {
-                            QsgdLevels(x, norms, inverses, block, c, c + 1, levels, w0, w1,
-                                       out, c);
-                          }
+                        [&](int64_t c, const float* x, int64_t) {
+                          QsgdBlock(x, block, c, c, levels, w0, w1, norms, inverses, out);
                         });
   });
-  bool finite = true;
-  for (int64_t b = 0; b < m; ++b) finite = finite && std::isfinite(norms[b]);
-  if (finite) return;
+  if (AllFinite(norms, m)) return;
   std::vector<float> x(m * block);
   CorrectedSpan(leaves, offsets, residual, x.data(), 0, 0, m * block);
-  QsgdEncode(x.data(), block, m, levels, w0, w1, norms, inverses, out);
+  QsgdEncodeScaled(x.data(), block, m, levels, w0, w1, norms, inverses, out);
 }
 
 ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::U32> words,
@@ -1915,17 +1923,13 @@ ffi::Error QsgdResidualImpl(ffi::Buffer<ffi::F32> buffer, ffi::Buffer<ffi::U8> p
         "the buffer (the output) as long as the leaves, a level for each of their entries"
         " and a step a block");
   }
-  float* result = out->typed_data();
   const int8_t* levels = reinterpret_cast<const int8_t*>(payload.typed_data());
   return Guarded("jaxcomp_qsgd_residual", [&] {
-    if (result != buffer.typed_data()) std::memcpy(result, buffer.typed_data(), n * sizeof(float));
-    InHalves((n + block - 1) / block, n, [&](int64_t first, int64_t last) {
-      OverCorrectedBlocks(data, offsets, result, block, first, last, n,
-                          [&](int64_t c, const float* x, int64_t entries) {
-                            QsgdResidualBlock(x, entries, steps.typed_data()[c],
-                                              levels + c * block, result + c * block);
-                          });
-    });
+    ResidualBlocks(data, offsets, buffer.typed_data(), out->typed_data(), block,
+                   [&](int64_t c, const float* x, int64_t count, float* written) {
+                     QsgdResidualBlock(x, count, steps.typed_data()[c], levels + c * block,
+                                       written);
+                   });
   });
 }
 
