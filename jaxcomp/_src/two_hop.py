@@ -37,8 +37,7 @@ class Codec(NamedTuple):
       ``[m * block]``; ``payload`` uint8 ``[payload_bytes(m * block)]``,
       ``scales`` f32 ``[m]``; ``hop`` is 0 for this device's gradient, 1
       for its chunk of the mean. Given ``scales`` (those it returned for
-      ``x``, or QSGD's with their inverses, as the native calls give them), the
-      same payload, from them.
+      ``x``), the same payload, from them (``dequantized`` gives them).
     decode: ``decode(payload, scales) -> f32 [..., m * block]`` from uint8
       ``[..., payload_bytes(m * block)]`` and f32 ``[..., m]`` (leading axes
       batched).
